@@ -1,0 +1,96 @@
+"""``shoal``: the command line. Each subcommand builds its process's one settings object."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from shoal import __version__
+from shoal.cli import commands
+from shoal.router.settings import RouterSettings
+from shoal.settings import add_settings_flags
+from shoal.up.settings import UpSettings
+from shoal.worker.settings import WorkerSettings
+
+DESCRIPTION = """\
+Shoal: one OpenAI-compatible endpoint over your own machines, running llama.cpp.
+
+  shoal up                                  router + worker + a small model, on this machine
+  shoal router --host 0.0.0.0 --api-key K --gpu-key G        the front door
+  shoal worker --router-url HOST:8000 --gpu-key G            on each GPU machine (dials out)
+
+Every option also reads a SHOAL_* environment variable (--max-queue <-> SHOAL_MAX_QUEUE).
+"""
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shoal", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"shoal {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, help_text: str, handler: Handler) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(handler=handler)
+        return p
+
+    add_settings_flags(
+        add("up", "Run a router, a worker and the default model here.", commands.up), UpSettings
+    )
+    add_settings_flags(
+        add("router", "Run the router: the OpenAI-compatible front door.", commands.router),
+        RouterSettings,
+    )
+    add_settings_flags(
+        add("worker", "Run a worker that dials out to a router.", commands.worker), WorkerSettings
+    )
+
+    llama = add("llama-cpp", "Find or build the llama.cpp binaries.", commands.llama_cpp_help)
+    llama_sub = llama.add_subparsers(dest="llama_command", metavar="ACTION", required=True)
+    for action, text, handler in (
+        (
+            "which",
+            "Print which llama-server will be used and why (builds nothing).",
+            commands.llama_cpp_which,
+        ),
+        (
+            "install",
+            "Build llama-server and ggml-rpc-server from the pinned source if needed.",
+            commands.llama_cpp_install,
+        ),
+    ):
+        p = llama_sub.add_parser(action, help=text, description=text)
+        p.set_defaults(handler=handler)
+        add_settings_flags(p, commands.LlamaCppSettings)
+
+    models = add("models", "Manage local models.", commands.llama_cpp_help)
+    models_sub = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
+    pull = models_sub.add_parser("pull", help="Download and verify a model into the cache.")
+    pull.add_argument(
+        "model", nargs="?", default=None, help="model id (default: the default model)"
+    )
+    pull.set_defaults(handler=commands.models_pull)
+    add_settings_flags(pull, commands.ModelsSettings)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Handler = args.handler
+    try:
+        return handler(args)
+    except commands.UserError as exc:
+        print(f"shoal: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def path_env() -> str | None:
+    return os.environ.get("PATH")

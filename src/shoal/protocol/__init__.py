@@ -1,0 +1,1 @@
+"""Wire types every side imports. Imports nothing else from Shoal."""

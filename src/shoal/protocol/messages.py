@@ -1,0 +1,259 @@
+"""Router <-> worker messages: typed, frozen, versioned, JSON on the wire.
+
+One WebSocket carries every message between a worker and its router. Each frame is one JSON
+object whose ``type`` field selects the message class; the closed unions below are the whole
+vocabulary. The worker authenticates in the HTTP upgrade request (``Authorization: Bearer``),
+then sends ``Register`` as its first frame; the router answers ``Registered`` or ``Refused``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from shoal.protocol.ids import JobId, ModelName, WorkerId
+
+PROTOCOL_VERSION = 1
+"""Bumped on any incompatible change; a router refuses workers that speak another version."""
+
+WS_PATH = "/ws/worker"
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# ---------------------------------------------------------------- shared vocabulary
+
+
+class BackendState(enum.StrEnum):
+    """What the worker's inference backend (llama-server or an attached server) is doing."""
+
+    LOADING = "loading"
+    READY = "ready"
+    RESTARTING = "restarting"
+    FAILED = "failed"
+
+
+class Endpoint(enum.StrEnum):
+    """The OpenAI-compatible endpoints a job can target."""
+
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+    EMBEDDINGS = "embeddings"
+
+    @property
+    def path(self) -> str:
+        return _ENDPOINT_PATHS[self]
+
+
+_ENDPOINT_PATHS = {
+    Endpoint.CHAT: "/v1/chat/completions",
+    Endpoint.COMPLETIONS: "/v1/completions",
+    Endpoint.EMBEDDINGS: "/v1/embeddings",
+}
+
+
+class Hardware(Message):
+    """A short summary of the worker's machine, shown to operators."""
+
+    hostname: str
+    os: str
+    cpu_count: int
+    ram_total_bytes: int
+    ram_available_bytes: int
+    gpus: tuple[str, ...] = ()
+
+
+class ModelInfo(Message):
+    """A model the worker serves, under its public name."""
+
+    name: ModelName
+    endpoints: tuple[Endpoint, ...]
+    context_length: int | None = None
+    backend: str = "llama-server"
+
+
+class ErrorBody(Message):
+    """OpenAI-style error object."""
+
+    message: str
+    type: str
+    code: str | int | None = None
+
+
+# ---------------------------------------------------------------- worker -> router
+
+
+class Register(Message):
+    type: Literal["register"] = "register"
+    protocol_version: int
+    worker_id: WorkerId
+    name: str
+    hardware: Hardware
+    models: tuple[ModelInfo, ...]
+    slots: int = Field(ge=1)
+    state: BackendState
+    backend_url: str | None = None
+    software: str = ""
+
+
+class Heartbeat(Message):
+    type: Literal["heartbeat"] = "heartbeat"
+    state: BackendState
+    running_jobs: int
+    ram_available_bytes: int
+
+
+class StateChanged(Message):
+    type: Literal["state"] = "state"
+    state: BackendState
+    detail: str = ""
+
+
+class Chunk(Message):
+    """One SSE ``data:`` payload of a streaming job, exactly as the backend produced it."""
+
+    job_id: JobId
+    data: str
+
+
+class Chunks(Message):
+    """Chunks of one or more jobs, batched into one frame when they arrive together."""
+
+    type: Literal["chunks"] = "chunks"
+    items: tuple[Chunk, ...]
+
+
+class JobResult(Message):
+    """The whole answer of a non-streaming job."""
+
+    type: Literal["result"] = "result"
+    job_id: JobId
+    body: str
+
+
+class JobDone(Message):
+    """A streaming job ended normally (the backend sent ``[DONE]``)."""
+
+    type: Literal["done"] = "done"
+    job_id: JobId
+
+
+class JobFailed(Message):
+    """The backend refused or broke the job. ``status`` is the HTTP status to give the client."""
+
+    type: Literal["failed"] = "failed"
+    job_id: JobId
+    status: int
+    error: ErrorBody
+    started: bool = False
+    """True when chunks were already sent: the router ends the stream with an error event."""
+    retryable: bool = False
+    """Nothing reached the backend's model (e.g. it was restarting): another worker may run it."""
+
+
+WorkerMessage = Annotated[
+    Register | Heartbeat | StateChanged | Chunks | JobResult | JobDone | JobFailed,
+    Field(discriminator="type"),
+]
+
+# ---------------------------------------------------------------- router -> worker
+
+
+class Registered(Message):
+    type: Literal["registered"] = "registered"
+    worker_id: WorkerId
+    heartbeat_interval_s: float
+    router_version: str
+
+
+class RefusalCode(enum.StrEnum):
+    BAD_KEY = "bad_key"
+    PROTOCOL_VERSION = "protocol_version"
+    BAD_REGISTRATION = "bad_registration"
+    DUPLICATE_ID = "duplicate_id"
+
+
+class Refused(Message):
+    """Sent before the router closes a connection it will not serve. Not retried by workers."""
+
+    type: Literal["refused"] = "refused"
+    code: RefusalCode
+    reason: str
+
+
+class JobStart(Message):
+    type: Literal["job"] = "job"
+    job_id: JobId
+    model: ModelName
+    endpoint: Endpoint
+    stream: bool
+    body: dict[str, Any]
+
+
+class JobCancel(Message):
+    type: Literal["cancel"] = "cancel"
+    job_id: JobId
+
+
+RouterMessage = Annotated[
+    Registered | Refused | JobStart | JobCancel,
+    Field(discriminator="type"),
+]
+
+WORKER_MESSAGES: TypeAdapter[WorkerMessage] = TypeAdapter(WorkerMessage)
+ROUTER_MESSAGES: TypeAdapter[RouterMessage] = TypeAdapter(RouterMessage)
+
+# WebSocket close codes (4000-4999 are for applications).
+CLOSE_REFUSED = 4001
+CLOSE_PROTOCOL_ERROR = 4002
+CLOSE_HEARTBEAT_TIMEOUT = 4003
+CLOSE_SHUTDOWN = 4004
+
+
+def encode(message: Message) -> str:
+    return message.model_dump_json()
+
+
+def decode_worker_message(frame: str | bytes) -> WorkerMessage:
+    """Parse one frame from a worker. Raises ``pydantic.ValidationError`` on a malformed frame."""
+    return WORKER_MESSAGES.validate_json(frame)
+
+
+def decode_router_message(frame: str | bytes) -> RouterMessage:
+    return ROUTER_MESSAGES.validate_json(frame)
+
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "WS_PATH",
+    "BackendState",
+    "Chunk",
+    "Chunks",
+    "Endpoint",
+    "ErrorBody",
+    "Hardware",
+    "Heartbeat",
+    "JobCancel",
+    "JobDone",
+    "JobFailed",
+    "JobId",
+    "JobResult",
+    "JobStart",
+    "ModelInfo",
+    "ModelName",
+    "Refused",
+    "RefusalCode",
+    "Register",
+    "Registered",
+    "RouterMessage",
+    "StateChanged",
+    "WorkerId",
+    "WorkerMessage",
+    "decode_router_message",
+    "decode_worker_message",
+    "encode",
+]

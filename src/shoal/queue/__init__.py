@@ -1,0 +1,1 @@
+"""Where jobs wait for a worker. In-process by default."""

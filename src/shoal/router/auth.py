@@ -1,0 +1,48 @@
+"""Key checks for clients (API keys) and workers (GPU keys). Constant-time, never logged."""
+
+from __future__ import annotations
+
+import hmac
+
+from pydantic import SecretStr
+from starlette.datastructures import Headers
+
+from shoal.router.errors import Unauthorized
+
+
+def bearer(headers: Headers) -> str | None:
+    value = headers.get("authorization")
+    if value and value[:7].lower() == "bearer ":
+        return value[7:].strip()
+    return headers.get("x-api-key")
+
+
+def matches(presented: str | None, keys: tuple[SecretStr, ...]) -> bool:
+    if presented is None:
+        return False
+    candidate = presented.encode()
+    found = False
+    for key in keys:  # compare against every key so timing says nothing about which matched
+        found |= hmac.compare_digest(candidate, key.get_secret_value().encode())
+    return found
+
+
+class KeyCheck:
+    def __init__(self, api_keys: tuple[SecretStr, ...], gpu_keys: tuple[SecretStr, ...]) -> None:
+        self.api_keys = api_keys
+        self.gpu_keys = gpu_keys
+
+    def client(self, headers: Headers) -> None:
+        """Raise 401 unless the request carries a valid API key (or none are configured)."""
+        if not self.api_keys:
+            return
+        presented = bearer(headers)
+        if presented is None:
+            raise Unauthorized("No API key given. Send it as 'Authorization: Bearer YOUR_KEY'.")
+        if not matches(presented, self.api_keys):
+            raise Unauthorized("Incorrect API key provided. Check the key you were given.")
+
+    def worker(self, headers: Headers) -> bool:
+        if not self.gpu_keys:
+            return True
+        return matches(bearer(headers), self.gpu_keys)

@@ -1,0 +1,128 @@
+"""A request's life inside the router: an explicit state machine plus its event inbox.
+
+    QUEUED ──assign──▶ ASSIGNED ──first chunk──▶ STREAMING ──▶ SUCCEEDED
+       ▲                  │                         │
+       └──requeue─────────┘ (worker lost, no output)├──▶ FAILED
+    any live state ──────────────────────────────────┴──▶ CANCELLED
+
+The HTTP handler reads ``Job.events``; the dispatcher and the worker connection write them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.protocol.ids import JobId, ModelName, WorkerId
+from shoal.protocol.messages import Endpoint, ErrorBody
+
+log = logging.getLogger(__name__)
+
+
+class JobState(enum.StrEnum):
+    QUEUED = "queued"
+    ASSIGNED = "assigned"
+    STREAMING = "streaming"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
+
+_ALLOWED: dict[JobState, frozenset[JobState]] = {
+    JobState.QUEUED: frozenset({JobState.ASSIGNED, JobState.FAILED, JobState.CANCELLED}),
+    JobState.ASSIGNED: frozenset(
+        {
+            JobState.STREAMING,
+            JobState.QUEUED,
+            JobState.SUCCEEDED,
+            JobState.FAILED,
+            JobState.CANCELLED,
+        }
+    ),
+    JobState.STREAMING: frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}),
+    JobState.SUCCEEDED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+# Events delivered to the waiting HTTP handler.
+@dataclass(frozen=True, slots=True)
+class Data:
+    data: str
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    body: str
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    status: int
+    error: ErrorBody
+
+
+@dataclass(frozen=True, slots=True)
+class Requeued:
+    reason: str
+
+
+JobEvent = Data | Result | Done | Failed | Requeued
+
+
+@dataclass(eq=False)
+class Job:
+    id: JobId
+    model: ModelName
+    endpoint: Endpoint
+    stream: bool
+    body: dict[str, Any]
+    state: JobState = JobState.QUEUED
+    worker_id: WorkerId | None = None
+    requeues: int = 0
+    created: float = field(default_factory=time.monotonic)
+    queued_at: float = field(default_factory=time.monotonic)
+    events: asyncio.Queue[JobEvent] = field(default_factory=asyncio.Queue)
+    assigned: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def transition(self, new: JobState, why: str = "") -> None:
+        if new not in _ALLOWED[self.state]:
+            raise IllegalTransition(f"job {self.id}: {self.state} -> {new} is not allowed")
+        log.debug(
+            "job %s model=%s worker=%s: %s -> %s %s",
+            self.id,
+            self.model,
+            self.worker_id,
+            self.state,
+            new,
+            why,
+        )
+        self.state = new
+        if new is JobState.ASSIGNED:
+            self.assigned.set()
+        elif new is JobState.QUEUED:
+            self.assigned.clear()
+            self.queued_at = time.monotonic()
+
+    def deliver(self, event: JobEvent) -> None:
+        self.events.put_nowait(event)

@@ -1,0 +1,150 @@
+"""The response side of a job: waits for a worker, then streams or returns its answer.
+
+``JobResponse`` is an ASGI response that watches the client the whole time: if the client
+disconnects while the job waits or streams, the job is cancelled and the worker stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+from shoal.protocol.messages import ErrorBody
+from shoal.router.dispatch import Dispatcher
+from shoal.router.errors import (
+    BadRequest,
+    RouterError,
+    UpstreamError,
+    error_payload,
+    error_response,
+)
+from shoal.router.jobs import Data, Done, Failed, Job, JobEvent, Requeued, Result
+
+log = logging.getLogger(__name__)
+
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+_DONE = b"data: [DONE]\n\n"
+
+
+class ClientGone(Exception):
+    pass
+
+
+class JobResponse(Response):
+    def __init__(self, job: Job, dispatcher: Dispatcher) -> None:
+        super().__init__()
+        self.job = job
+        self.dispatcher = dispatcher
+        self.headers_sent = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                watcher = tg.create_task(_watch_disconnect(receive))
+                try:
+                    await self._respond(scope, send)
+                finally:
+                    watcher.cancel()
+        except* ClientGone:
+            log.info("job %s model=%s: client disconnected", self.job.id, self.job.model)
+        except* OSError:
+            log.info("job %s model=%s: client connection broke", self.job.id, self.job.model)
+        finally:
+            self.dispatcher.cancel(self.job, "client disconnected")
+
+    async def _respond(self, scope: Scope, send: Send) -> None:
+        job = self.job
+        try:
+            await self.dispatcher.wait_assigned(job)
+            first = await self._next_answer()
+        except RouterError as exc:
+            await error_response(exc)(scope, _no_receive, send)
+            return
+        if isinstance(first, Result):
+            await self._start(send, 200, _JSON_HEADERS)
+            await send({"type": "http.response.body", "body": first.body.encode()})
+        elif isinstance(first, Failed):
+            await error_response(UpstreamError(first.status, first.error))(scope, _no_receive, send)
+        elif isinstance(first, Data):
+            await self._stream(send, first)
+
+    async def _next_answer(self) -> JobEvent:
+        """The first event that answers the client, waiting again if the job is re-queued."""
+        while True:
+            event = await self.job.events.get()
+            if not isinstance(event, Requeued):
+                return event
+            await self.dispatcher.wait_assigned(self.job)
+
+    async def _start(self, send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        headers = [*headers, (b"x-request-id", self.job.id.encode())]
+        if self.job.worker_id:
+            headers.append((b"x-shoal-worker", self.job.worker_id.encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        self.headers_sent = True
+
+    async def _stream(self, send: Send, first: Data) -> None:
+        await self._start(send, 200, _SSE_HEADERS)
+        events = self.job.events
+        pending: list[JobEvent] = [first]
+        while True:
+            buf = bytearray()
+            for event in pending:
+                if isinstance(event, Data):
+                    buf += b"data: "
+                    buf += event.data.encode()
+                    buf += b"\n\n"
+                elif isinstance(event, Done):
+                    buf += _DONE
+                    await send({"type": "http.response.body", "body": bytes(buf)})
+                    return
+                elif isinstance(event, Failed):
+                    buf += b"data: " + _error_event(event.error) + b"\n\n"
+                    await send({"type": "http.response.body", "body": bytes(buf)})
+                    return
+            if buf:
+                await send({"type": "http.response.body", "body": bytes(buf), "more_body": True})
+            pending = [await events.get()]
+            while not events.empty():
+                pending.append(events.get_nowait())
+
+
+def _error_event(error: ErrorBody) -> bytes:
+    exc = RouterError(error.message)
+    exc.type = error.type
+    exc.code = None if error.code is None else str(error.code)
+    return orjson.dumps(error_payload(exc))
+
+
+async def _watch_disconnect(receive: Receive) -> None:
+    while True:
+        message: Message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+def json_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(
+            f"The request body is not valid JSON ({exc.msg} at position {exc.pos}). "
+            "Send a JSON object with Content-Type: application/json."
+        ) from None
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    return body

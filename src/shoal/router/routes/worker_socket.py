@@ -1,0 +1,172 @@
+"""The WebSocket workers dial into: handshake, then one reader, one writer, one watchdog."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import orjson
+from fastapi import APIRouter, WebSocket
+from pydantic import ValidationError
+from starlette.websockets import WebSocketDisconnect
+
+from shoal import __version__
+from shoal.protocol.messages import (
+    CLOSE_HEARTBEAT_TIMEOUT,
+    CLOSE_PROTOCOL_ERROR,
+    CLOSE_REFUSED,
+    PROTOCOL_VERSION,
+    WS_PATH,
+    RefusalCode,
+    Refused,
+    Register,
+    Registered,
+    decode_worker_message,
+    encode,
+)
+from shoal.router.context import RouterContext, context
+from shoal.router.workers import ConnState, WorkerConnection
+
+log = logging.getLogger(__name__)
+
+REGISTER_TIMEOUT_S = 10.0
+
+router = APIRouter()
+
+
+class Refusal(Exception):
+    def __init__(self, code: RefusalCode, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class ProtocolViolation(Exception):
+    pass
+
+
+class HeartbeatMissed(Exception):
+    pass
+
+
+def _peer(ws: WebSocket) -> str:
+    return f"{ws.client.host}:{ws.client.port}" if ws.client else "?"
+
+
+def parse_register(frame: str, ctx: RouterContext) -> Register:
+    """Check the first frame: protocol version first, so old and new workers get a clear no."""
+    try:
+        raw = orjson.loads(frame)
+    except orjson.JSONDecodeError:
+        raise Refusal(RefusalCode.BAD_REGISTRATION, "first frame is not JSON") from None
+    version = raw.get("protocol_version") if isinstance(raw, dict) else None
+    if version != PROTOCOL_VERSION:
+        raise Refusal(
+            RefusalCode.PROTOCOL_VERSION,
+            f"this router (Shoal {__version__}) speaks worker protocol {PROTOCOL_VERSION}, "
+            f"the worker speaks {version}; run the same Shoal version on both",
+        )
+    try:
+        msg = decode_worker_message(frame)
+    except ValidationError as exc:
+        raise Refusal(RefusalCode.BAD_REGISTRATION, f"invalid register: {exc}") from None
+    if not isinstance(msg, Register):
+        raise Refusal(RefusalCode.BAD_REGISTRATION, "the first frame must be 'register'")
+    existing = ctx.registry.get(msg.worker_id)
+    if existing is not None and existing.conn_state is ConnState.ACTIVE:
+        raise Refusal(RefusalCode.DUPLICATE_ID, f"worker id {msg.worker_id} is already connected")
+    return msg
+
+
+@router.websocket(WS_PATH)
+async def worker_socket(ws: WebSocket) -> None:
+    ctx = context(ws)
+    await ws.accept()
+    peer = _peer(ws)
+    try:
+        if not ctx.keys.worker(ws.headers):
+            raise Refusal(RefusalCode.BAD_KEY, "the GPU key is missing or wrong (--gpu-key)")
+        async with asyncio.timeout(REGISTER_TIMEOUT_S):
+            msg = parse_register(await ws.receive_text(), ctx)
+    except Refusal as refusal:
+        log.warning("refused worker from %s: %s", peer, refusal.reason)
+        await ws.send_text(encode(Refused(code=refusal.code, reason=refusal.reason)))
+        await ws.close(CLOSE_REFUSED, refusal.reason[:120])
+        return
+    except (TimeoutError, WebSocketDisconnect):
+        log.warning("worker from %s did not register", peer)
+        await _close_quietly(ws, CLOSE_PROTOCOL_ERROR, "no register frame")
+        return
+    worker = WorkerConnection.from_register(msg, peer)
+    worker.move(
+        ConnState.ACTIVE,
+        f"registered from {peer} with {msg.slots} slots, models "
+        + ", ".join(m.name for m in msg.models),
+    )
+    worker.send(
+        Registered(
+            worker_id=worker.id,
+            heartbeat_interval_s=ctx.settings.heartbeat_interval,
+            router_version=__version__,
+        )
+    )
+    ctx.dispatcher.on_registered(worker)
+    why = "connection closed"
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(_write(ws, worker))
+            tg.create_task(_watchdog(worker, ctx.settings.heartbeat_timeout))
+            await _read(ws, worker, ctx)
+            raise WebSocketDisconnect  # reader ended: tear the other two down
+    except* WebSocketDisconnect:
+        why = "connection closed"
+    except* HeartbeatMissed:
+        why = "heartbeats missed"
+        await _close_quietly(ws, CLOSE_HEARTBEAT_TIMEOUT, why)
+    except* ProtocolViolation as group:
+        why = f"protocol violation: {group.exceptions[0]}"
+        await _close_quietly(ws, CLOSE_PROTOCOL_ERROR, why[:120])
+    except* OSError:
+        why = "connection broke"
+    finally:
+        worker.move(ConnState.CLOSED, why)
+        ctx.dispatcher.on_lost(worker, why)
+
+
+async def _read(ws: WebSocket, worker: WorkerConnection, ctx: RouterContext) -> None:
+    dispatcher = ctx.dispatcher
+    while True:
+        message = await ws.receive()
+        if message["type"] == "websocket.disconnect":
+            return
+        frame = message.get("text") or message.get("bytes")
+        if frame is None:
+            continue
+        try:
+            msg = decode_worker_message(frame)
+            dispatcher.on_message(worker, msg)
+        except (ValidationError, ValueError) as exc:
+            log.warning("worker %s sent a malformed frame: %s", worker.id, exc)
+            raise ProtocolViolation(str(exc).splitlines()[0]) from None
+
+
+async def _write(ws: WebSocket, worker: WorkerConnection) -> None:
+    outbox = worker.outbox
+    while True:
+        frame = await outbox.get()
+        await ws.send_text(frame)
+
+
+async def _watchdog(worker: WorkerConnection, timeout: float) -> None:
+    while True:
+        delay = worker.last_seen + timeout - time.monotonic()
+        if delay <= 0:
+            raise HeartbeatMissed
+        await asyncio.sleep(delay)
+
+
+async def _close_quietly(ws: WebSocket, code: int, reason: str) -> None:
+    with contextlib.suppress(RuntimeError, OSError):  # already closed by the peer
+        await ws.close(code, reason)

@@ -1,0 +1,172 @@
+"""Connected workers as the router sees them, each with its connection state machine.
+
+OPEN ──Register ok──▶ ACTIVE ──socket closed / heartbeat missed / bad frame──▶ CLOSED
+  └──refused─────────────────────────────────────────────────────────────────▶ CLOSED
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from shoal.protocol.ids import JobId, ModelName, WorkerId
+from shoal.protocol.messages import (
+    BackendState,
+    Endpoint,
+    Hardware,
+    Message,
+    ModelInfo,
+    Register,
+    encode,
+)
+from shoal.router.jobs import Job
+from shoal.router.scheduler import WorkerLoad
+
+log = logging.getLogger(__name__)
+
+
+class ConnState(enum.StrEnum):
+    OPEN = "open"
+    ACTIVE = "active"
+    CLOSED = "closed"
+
+
+_ALLOWED = {
+    ConnState.OPEN: {ConnState.ACTIVE, ConnState.CLOSED},
+    ConnState.ACTIVE: {ConnState.CLOSED},
+    ConnState.CLOSED: set(),
+}
+
+
+@dataclass(eq=False)
+class WorkerConnection:
+    id: WorkerId
+    name: str
+    hardware: Hardware
+    models: tuple[ModelInfo, ...]
+    slots: int
+    backend_state: BackendState
+    backend_url: str | None = None
+    software: str = ""
+    detail: str = ""
+    peer: str = ""
+    conn_state: ConnState = ConnState.OPEN
+    running: dict[JobId, Job] = field(default_factory=dict)
+    last_assigned: float = 0.0
+    last_seen: float = field(default_factory=time.monotonic)
+    connected_at: float = field(default_factory=time.time)
+    ram_available_bytes: int = 0
+    outbox: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
+    served: frozenset[tuple[ModelName, Endpoint]] = frozenset()
+
+    @classmethod
+    def from_register(cls, msg: Register, peer: str) -> WorkerConnection:
+        conn = cls(
+            id=msg.worker_id,
+            name=msg.name,
+            hardware=msg.hardware,
+            models=msg.models,
+            slots=msg.slots,
+            backend_state=msg.state,
+            backend_url=msg.backend_url,
+            software=msg.software,
+            peer=peer,
+            ram_available_bytes=msg.hardware.ram_available_bytes,
+        )
+        conn.served = frozenset((m.name, e) for m in msg.models for e in m.endpoints)
+        return conn
+
+    def move(self, new: ConnState, why: str) -> None:
+        if new not in _ALLOWED[self.conn_state]:
+            raise RuntimeError(f"worker {self.id}: {self.conn_state} -> {new} is not allowed")
+        log.info(
+            "worker %s (%s): connection %s -> %s: %s", self.id, self.name, self.conn_state, new, why
+        )
+        self.conn_state = new
+
+    def set_backend_state(self, state: BackendState, detail: str) -> None:
+        if state is not self.backend_state:
+            log.info(
+                "worker %s (%s): backend %s -> %s %s",
+                self.id,
+                self.name,
+                self.backend_state,
+                state,
+                detail,
+            )
+        self.backend_state = state
+        self.detail = detail
+
+    def send(self, message: Message) -> None:
+        """Queue a frame for this worker's writer; never blocks."""
+        self.outbox.put_nowait(encode(message))
+
+    @property
+    def ready(self) -> bool:
+        return self.conn_state is ConnState.ACTIVE and self.backend_state is BackendState.READY
+
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(
+            id=self.id,
+            ready=self.ready,
+            models=self.served,
+            slots=self.slots,
+            running=len(self.running),
+            last_assigned=self.last_assigned,
+        )
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "state": self.backend_state.value,
+            "detail": self.detail,
+            "connection": self.conn_state.value,
+            "models": [m.model_dump(mode="json") for m in self.models],
+            "slots": self.slots,
+            "running_jobs": len(self.running),
+            "hardware": self.hardware.model_dump(mode="json"),
+            "ram_available_bytes": self.ram_available_bytes,
+            "backend_url": self.backend_url,
+            "software": self.software,
+            "peer": self.peer,
+            "connected_at": self.connected_at,
+            "last_seen_s_ago": round(time.monotonic() - self.last_seen, 3),
+        }
+
+
+class Registry:
+    """Active workers by id."""
+
+    def __init__(self) -> None:
+        self._workers: dict[WorkerId, WorkerConnection] = {}
+
+    def add(self, conn: WorkerConnection) -> None:
+        self._workers[conn.id] = conn
+
+    def remove(self, conn: WorkerConnection) -> None:
+        if self._workers.get(conn.id) is conn:
+            del self._workers[conn.id]
+
+    def get(self, worker_id: WorkerId) -> WorkerConnection | None:
+        return self._workers.get(worker_id)
+
+    def __iter__(self) -> Iterator[WorkerConnection]:
+        return iter(list(self._workers.values()))
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def models(self) -> dict[ModelName, list[WorkerConnection]]:
+        by_model: dict[ModelName, list[WorkerConnection]] = {}
+        for w in self._workers.values():
+            for m in w.models:
+                by_model.setdefault(m.name, []).append(w)
+        return by_model
+
+    def model_info(self, name: ModelName) -> list[tuple[WorkerConnection, ModelInfo]]:
+        return [(w, m) for w in self._workers.values() for m in w.models if m.name == name]

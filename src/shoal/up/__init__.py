@@ -1,0 +1,1 @@
+"""``shoal up``: a router and a worker in one process, for one machine."""

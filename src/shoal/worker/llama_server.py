@@ -1,0 +1,259 @@
+"""llama-server as a supervised subprocess, with its own state machine.
+
+    LOADING ──/health ok──▶ READY ──exit or hang──▶ RESTARTING ──backoff──▶ LOADING
+       │                                               │
+       └──exit while loading───────────────────────────┘
+    too many exits within CRASH_WINDOW_S ──▶ FAILED (stays; the reason names the last log lines)
+
+The process gets SIGTERM then SIGKILL in a ``finally``, and dies with the worker on Linux
+(PR_SET_PDEATHSIG), so no llama-server outlives its worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import signal
+import socket
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from shoal.protocol.messages import BackendState
+from shoal.worker.backoff import Backoff
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 5.0
+LOAD_TIMEOUT_S = 600.0
+HEALTH_PERIOD_S = 10.0
+HEALTH_TIMEOUT_S = 5.0
+HEALTH_FAILURES_BEFORE_RESTART = 3
+CRASH_WINDOW_S = 60.0
+LOG_TAIL_LINES = 40
+READY_MARKERS = (b"listening on http",)
+
+StateCallback = Callable[[BackendState, str], None]
+
+
+@dataclass(frozen=True)
+class LlamaServerConfig:
+    binary: Path
+    model_path: Path
+    alias: str
+    slots: int
+    ctx_size: int
+    log_file: Path
+    threads: int | None = None
+    embedding: bool = False
+    extra_args: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    max_restarts: int = 5
+
+
+def command(config: LlamaServerConfig, port: int) -> list[str]:
+    """The exact llama-server command line: explicit, so placement never depends on auto-fit."""
+    args = [
+        str(config.binary),
+        "--model",
+        str(config.model_path),
+        "--alias",
+        config.alias,
+        "--host",
+        config.host,
+        "--port",
+        str(port),
+        "--parallel",
+        str(config.slots),
+        "--ctx-size",
+        str(config.ctx_size * config.slots),
+        "--no-webui",
+    ]
+    if config.threads:
+        args += ["--threads", str(config.threads)]
+    if config.embedding:
+        args += ["--embedding"]
+        if "--pooling" not in config.extra_args:
+            args += ["--pooling", "mean"]
+    return args + list(config.extra_args)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: ask Linux to SIGTERM it when the worker dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Exited(Exception):
+    def __init__(self, returncode: int | None, why: str) -> None:
+        super().__init__(why)
+        self.returncode = returncode
+        self.why = why
+
+
+@dataclass
+class LlamaServer:
+    config: LlamaServerConfig
+    on_state: StateCallback
+    state: BackendState = BackendState.LOADING
+    detail: str = ""
+    url: str = ""
+    pid: int | None = None
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
+    backoff: Backoff = field(default_factory=lambda: Backoff(base=1.0, cap=30.0))
+    _crashes: deque[float] = field(default_factory=deque)
+
+    def _move(self, state: BackendState, detail: str) -> None:
+        log.info("llama-server %s: %s -> %s %s", self.config.alias, self.state, state, detail)
+        self.state, self.detail = state, detail
+        self.on_state(state, detail)
+
+    async def run(self) -> None:
+        """Keep llama-server running until cancelled or failed for good."""
+        attempt = 0
+        self.config.log_file.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            started = time.monotonic()
+            exit_ = await self._run_once()
+            if time.monotonic() - started > CRASH_WINDOW_S:
+                attempt = 0
+            now = time.monotonic()
+            self._crashes.append(now)
+            while self._crashes and now - self._crashes[0] > CRASH_WINDOW_S:
+                self._crashes.popleft()
+            if len(self._crashes) > self.config.max_restarts:
+                self._move(BackendState.FAILED, self._failure_reason(exit_))
+                await asyncio.Event().wait()  # stay failed until the worker stops
+            delay = self.backoff.delay(attempt)
+            attempt += 1
+            self._move(BackendState.RESTARTING, f"{exit_.why}; restarting in {delay:.1f} s")
+            await asyncio.sleep(delay)
+
+    def _failure_reason(self, exit_: Exited) -> str:
+        lines = " | ".join(line for line in list(self.tail)[-5:] if line)
+        return (
+            f"llama-server exited {len(self._crashes)} times within {CRASH_WINDOW_S:g} s and "
+            f"will not be restarted (last: {exit_.why}). Last log lines: {lines}. "
+            f"Full log: {self.config.log_file}"
+        )
+
+    async def _run_once(self) -> Exited:
+        port = free_port(self.config.host)
+        self.url = f"http://{self.config.host}:{port}"
+        argv = command(self.config, port)
+        if self.state is not BackendState.LOADING:
+            self._move(BackendState.LOADING, "starting llama-server")
+        log.info("starting %s", " ".join(argv))
+        with self.config.log_file.open("ab") as logf:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+            self.pid = proc.pid
+            ready = asyncio.Event()
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    tg.create_task(self._drain(proc, logf, ready))
+                    await self._supervise(proc, ready)
+            except* Exited as group:
+                exited = group.exceptions[0]
+            finally:
+                await stop_process(proc)
+                self.pid = None
+        assert isinstance(exited, Exited)
+        return exited
+
+    async def _supervise(self, proc: asyncio.subprocess.Process, ready: asyncio.Event) -> None:
+        waiter = asyncio.ensure_future(proc.wait())
+        marker = asyncio.ensure_future(ready.wait())
+        try:
+            done, _ = await asyncio.wait(
+                [waiter, marker], timeout=LOAD_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                raise Exited(None, f"not ready after {LOAD_TIMEOUT_S:g} s")
+            if waiter.done():
+                raise Exited(proc.returncode, f"exited with code {proc.returncode} while loading")
+            async with aiohttp.ClientSession() as session:
+                await self._wait_healthy(session, proc)
+                self._move(BackendState.READY, f"serving on {self.url} (pid {proc.pid})")
+                await self._watch(session, waiter)
+        finally:
+            waiter.cancel()
+            marker.cancel()
+
+    async def _wait_healthy(
+        self, session: aiohttp.ClientSession, proc: asyncio.subprocess.Process
+    ) -> None:
+        # The ready marker is logged once the model is loaded; /health confirms it answers.
+        for _ in range(50):
+            if await self._healthy(session):
+                return
+            if proc.returncode is not None:
+                break
+            await asyncio.sleep(0.1)
+        raise Exited(proc.returncode, "never answered /health")
+
+    async def _healthy(self, session: aiohttp.ClientSession) -> bool:
+        try:
+            async with session.get(
+                self.url + "/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+            ) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def _watch(self, session: aiohttp.ClientSession, waiter: asyncio.Future[int]) -> None:
+        """Liveness: the process is alive *and* /health answers."""
+        failures = 0
+        while True:
+            done, _ = await asyncio.wait([waiter], timeout=HEALTH_PERIOD_S)
+            if done:
+                raise Exited(waiter.result(), f"exited with code {waiter.result()}")
+            failures = 0 if await self._healthy(session) else failures + 1
+            if failures >= HEALTH_FAILURES_BEFORE_RESTART:
+                raise Exited(None, f"/health failed {failures} times in a row")
+
+    async def _drain(
+        self, proc: asyncio.subprocess.Process, logf: object, ready: asyncio.Event
+    ) -> None:
+        assert proc.stdout is not None
+        write = logf.write  # type: ignore[attr-defined]  # a binary file object
+        while line := await proc.stdout.readline():
+            write(line)
+            self.tail.append(line.decode(errors="replace").rstrip())
+            if not ready.is_set() and any(m in line for m in READY_MARKERS):
+                ready.set()
+
+
+async def stop_process(proc: asyncio.subprocess.Process, grace: float = STOP_GRACE_S) -> None:
+    """SIGTERM, wait ``grace`` seconds, then SIGKILL. Safe to call on an exited process."""
+    if proc.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.terminate()
+    try:
+        async with asyncio.timeout(grace):
+            await proc.wait()
+    except TimeoutError:
+        log.warning("pid %d ignored SIGTERM for %g s; killing it", proc.pid, grace)
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()

@@ -1,0 +1,229 @@
+"""Real Shoal processes for tests: routers and workers on free loopback ports.
+
+Everything here starts real programs (``python -m shoal ...``, llama-server) and stops them
+again; a test gets log files to read when it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+MODEL = "smollm2-135m-instruct"
+API_KEY = "sk-test-inference"
+GPU_KEY = "gpu-test-key"
+STARTUP_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str, every: float = 0.05) -> Any:
+    """Poll ``check`` until it returns something truthy; fail the test with ``what``."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+            if value:
+                return value
+        except (httpx.HTTPError, OSError, KeyError, ValueError) as exc:
+            last_error = exc
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what} ({last_error!r})")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str]
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Proc:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        self.popen = subprocess.Popen(
+            self.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+        )
+        log.close()
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            assert self.popen is not None
+            self.popen.send_signal(sig)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        if self.popen is None:
+            return None
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        return self.popen.returncode
+
+    def wait(self, timeout: float) -> int:
+        assert self.popen is not None
+        return self.popen.wait(timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+@dataclass
+class Router:
+    proc: Proc
+    port: int
+    api_key: str | None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def workers(self) -> list[dict[str, Any]]:
+        r = httpx.get(self.url + "/api/v1/workers", headers=self.headers, timeout=5)
+        r.raise_for_status()
+        data: list[dict[str, Any]] = r.json()["data"]
+        return data
+
+    def wait_workers(self, ready: int, timeout: float = STARTUP_TIMEOUT_S) -> list[dict[str, Any]]:
+        def check() -> list[dict[str, Any]] | None:
+            ws = [w for w in self.workers() if w["state"] == "ready"]
+            return ws if len(ws) >= ready else None
+
+        result: list[dict[str, Any]] = wait_until(check, timeout, f"{ready} ready worker(s)")
+        return result
+
+
+@dataclass
+class Cluster:
+    """A factory for routers and workers that stops everything it started."""
+
+    base: Path
+    llama_server: Path
+    model_path: Path
+    procs: list[Proc] = field(default_factory=list)
+    counter: int = 0
+
+    def _proc(self, kind: str, args: list[str], env: dict[str, str]) -> Proc:
+        self.counter += 1
+        proc = Proc(
+            kind,
+            [sys.executable, "-m", "shoal", kind, *args],
+            self.base / f"{self.counter:02d}-{kind}.log",
+            env,
+        )
+        self.procs.append(proc)
+        return proc.start()
+
+    def router(
+        self,
+        *args: str,
+        port: int | None = None,
+        api_key: str | None = API_KEY,
+        gpu_key: str | None = GPU_KEY,
+        wait: bool = True,
+    ) -> Router:
+        port = port or free_port()
+        env = clean_env()
+        if api_key:
+            env["SHOAL_API_KEY"] = api_key
+        if gpu_key:
+            env["SHOAL_GPU_KEY"] = gpu_key
+        proc = self._proc("router", ["--port", str(port), "--heartbeat-interval", "1", *args], env)
+        router = Router(proc, port, api_key)
+        if wait:
+            wait_until(
+                lambda: httpx.get(router.url + "/health", timeout=2).status_code == 200,
+                STARTUP_TIMEOUT_S,
+                "the router to answer /health",
+            )
+        return router
+
+    def worker(
+        self,
+        router: Router,
+        *args: str,
+        name: str = "w",
+        gpu_key: str | None = GPU_KEY,
+        model: bool = True,
+    ) -> Proc:
+        env = clean_env(SHOAL_GPU_KEY=gpu_key) if gpu_key else clean_env()
+        argv = [
+            "--router-url",
+            f"127.0.0.1:{router.port}",
+            "--name",
+            name,
+            "--cache-dir",
+            str(self.base / "cache"),
+            "--threads",
+            "1",
+        ]
+        if model:
+            argv += [
+                "--llama-server-path",
+                str(self.llama_server),
+                "--model",
+                str(self.model_path),
+                "--model-alias",
+                MODEL,
+            ]
+        return self._proc("worker", [*argv, *args], env)
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+
+    def logs(self) -> str:
+        return "\n".join(f"===== {p.log_path.name}\n{p.log()[-4000:]}" for p in self.procs)
+
+
+def llama_server_pids() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "llama-server --model"], capture_output=True, text=True)
+    return {int(p) for p in out.stdout.split()}
+
+
+def iter_sse(response: httpx.Response) -> Iterator[str]:
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            yield line[6:]

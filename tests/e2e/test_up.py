@@ -1,0 +1,104 @@
+"""``shoal up``: one command gives a working endpoint; Ctrl-C leaves nothing behind."""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+
+import httpx
+import openai
+import pytest
+
+from cluster import MODEL, Proc, clean_env, free_port, llama_server_pids, wait_until
+
+pytestmark = pytest.mark.e2e
+
+
+def test_up_serves_and_stops_cleanly(tmp_path, llama_server, model_path) -> None:  # type: ignore[no-untyped-def]
+    port = free_port()
+    before = llama_server_pids()
+    proc = Proc(
+        "up",
+        [
+            sys.executable,
+            "-m",
+            "shoal",
+            "up",
+            "--port",
+            str(port),
+            "--llama-server-path",
+            str(llama_server),
+            "--model",
+            str(model_path),
+            "--model-alias",
+            MODEL,
+            "--slots",
+            "1",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        ],
+        tmp_path / "up.log",
+        clean_env(),
+    ).start()
+    try:
+        wait_until(lambda: "Shoal is up." in proc.log(), 90, "the banner")
+        log = proc.log()
+        assert f"http://127.0.0.1:{port}/v1" in log
+        assert "curl -N" in log and "none needed" in log
+        curl = re.search(r"curl -N (\S+)", log)
+        assert curl is not None
+        r = httpx.post(
+            curl.group(1),
+            json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+        )
+        assert r.status_code == 200 and r.json()["model"] == MODEL
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        assert [m.id for m in client.models.list()] == [MODEL]
+        assert llama_server_pids() - before
+    finally:
+        proc.signal(signal.SIGINT)
+        code = proc.wait(30)
+    assert code == 0, proc.log()[-3000:]
+    assert not (llama_server_pids() - before), "llama-server left behind after Ctrl-C"
+
+
+def test_up_beyond_loopback_generates_a_key(tmp_path, llama_server, model_path) -> None:  # type: ignore[no-untyped-def]
+    port = free_port()
+    proc = Proc(
+        "up",
+        [
+            sys.executable,
+            "-m",
+            "shoal",
+            "up",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(port),
+            "--llama-server-path",
+            str(llama_server),
+            "--model",
+            str(model_path),
+            "--model-alias",
+            MODEL,
+            "--slots",
+            "1",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        ],
+        tmp_path / "up.log",
+        clean_env(),
+    ).start()
+    try:
+        wait_until(lambda: "Shoal is up." in proc.log(), 90, "the banner")
+        key = re.search(r"API key:  (sk-shoal-\S+)", proc.log())
+        assert key is not None
+        url = f"http://127.0.0.1:{port}/v1/models"
+        assert httpx.get(url).status_code == 401
+        assert httpx.get(url, headers={"Authorization": f"Bearer {key.group(1)}"}).is_success
+        assert key.group(1) in proc.log().split("API key:")[1]  # printed in the banner only
+        assert proc.log().count(key.group(1)) == 2  # banner line + curl example
+    finally:
+        proc.signal(signal.SIGTERM)
+        assert proc.wait(30) == 0

@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from shoal.protocol.ids import JobId, ModelName
+from shoal.protocol.messages import (
+    Chunk,
+    Chunks,
+    Endpoint,
+    JobStart,
+    decode_router_message,
+    decode_worker_message,
+    encode,
+)
+
+
+def test_round_trip_and_frozen() -> None:
+    start = JobStart(
+        job_id=JobId("j"),
+        model=ModelName("m"),
+        endpoint=Endpoint.CHAT,
+        stream=True,
+        body={"messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert decode_router_message(encode(start)) == start
+    with pytest.raises(ValidationError):
+        start.stream = False  # type: ignore[misc]
+    chunks = Chunks(items=(Chunk(job_id=JobId("j"), data='{"x": "\\n"}'),))
+    assert decode_worker_message(encode(chunks)) == chunks
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        "not json",
+        '{"type": "nope"}',
+        '{"type": "done"}',  # missing job_id
+        '{"type": "done", "job_id": "j", "extra": 1}',  # extra fields are refused
+        '{"type": "job", "job_id": "j", "model": "m", "endpoint": "chat", "stream": true,'
+        ' "body": {}}',  # a router message is not a worker message
+    ],
+)
+def test_malformed_worker_frames_are_rejected(frame: str) -> None:
+    with pytest.raises(ValidationError):
+        decode_worker_message(frame)
+
+
+def test_unknown_endpoint_is_rejected() -> None:
+    with pytest.raises(ValidationError):
+        decode_router_message(
+            '{"type": "job", "job_id": "j", "model": "m", '
+            '"endpoint": "bogus", "stream": true, "body": {}}'
+        )

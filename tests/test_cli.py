@@ -1,0 +1,74 @@
+"""The command line reads well and every flag mirrors a SHOAL_* variable."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from cluster import clean_env
+from shoal.cli.main import build_parser
+from shoal.router.settings import RouterSettings
+from shoal.settings import settings_from_args
+from shoal.worker.settings import WorkerSettings
+
+
+def test_help_lists_commands() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "shoal", "--help"],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        check=True,
+    ).stdout
+    for word in ("up", "router", "worker", "llama-cpp", "SHOAL_"):
+        assert word in out
+
+
+@pytest.mark.parametrize("command, cls", [("router", RouterSettings), ("worker", WorkerSettings)])
+def test_every_flag_has_its_env_var(
+    command: str, cls: type, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for name in cls.model_fields:
+        assert f"--{name.replace('_', '-')}" in help_text
+        assert f"SHOAL_{name.upper()}" in help_text
+
+
+def test_flags_beat_env_which_beats_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHOAL_MAX_QUEUE", "7")
+    monkeypatch.setenv("SHOAL_PORT", "9001")
+    monkeypatch.setenv("SHOAL_API_KEY", "k1, k2")
+    args = build_parser().parse_args(["router", "--port", "9002"])
+    s = settings_from_args(RouterSettings, args)
+    assert (s.port, s.max_queue, s.max_wait) == (9002, 7, 60.0)
+    assert [k.get_secret_value() for k in s.api_key] == ["k1", "k2"]
+    assert "k1" not in repr(s)  # secrets never print
+
+
+def test_router_refuses_open_network_without_keys() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "shoal", "router", "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=30,
+    )
+    assert r.returncode == 2
+    assert "refusing to listen on 0.0.0.0 without --api-key" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_option_value_is_a_clear_error() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "shoal", "router", "--port", "http"],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=30,
+    )
+    assert r.returncode == 2 and "invalid option: port" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -1,0 +1,86 @@
+"""Pure pieces of the worker: backoff, router URL forms, outbox framing, SSE parsing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shoal.protocol.ids import JobId
+from shoal.protocol.messages import JobDone, decode_worker_message
+from shoal.worker.backend import error_from_body, sse_data
+from shoal.worker.backoff import Backoff
+from shoal.worker.outbox import Outbox, frames
+from shoal.worker.settings import router_ws_url
+
+
+@given(st.integers(0, 50), st.floats(0, 1))
+def test_backoff_is_bounded_and_jittered(attempt: int, draw: float) -> None:
+    b = Backoff(base=0.5, factor=2, cap=30)
+    ceiling = min(30, 0.5 * 2**attempt)
+    assert ceiling / 2 <= b.delay(attempt, draw) <= ceiling
+
+
+@pytest.mark.parametrize(
+    ("given_url", "expected"),
+    [
+        ("10.0.0.5:8000", "ws://10.0.0.5:8000/ws/worker"),
+        ("router.lan:8000", "ws://router.lan:8000/ws/worker"),
+        ("http://r:1", "ws://r:1/ws/worker"),
+        ("https://r:1/", "wss://r:1/ws/worker"),
+        ("wss://r.example/custom/path", "wss://r.example/custom/path"),
+        ("ws://r:9", "ws://r:9/ws/worker"),
+    ],
+)
+def test_router_url_forms(given_url: str, expected: str) -> None:
+    assert router_ws_url(given_url) == expected
+
+
+def test_outbox_batches_chunks_but_keeps_order() -> None:
+    box = Outbox()
+    box.chunk(JobId("a"), "1")
+    box.chunk(JobId("b"), "x")
+    box.chunk(JobId("a"), "2")
+    box.send(JobDone(job_id=JobId("a")))
+    box.chunk(JobId("b"), "y")
+    sent: list[str] = []
+
+    async def send(frame: str) -> None:
+        sent.append(frame)
+        raise asyncio.CancelledError  # one round is enough
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(box.pump(send))
+    out = frames([])
+    assert out == []
+    assert len(sent) == 1
+    first = decode_worker_message(sent[0])
+    assert first.type == "chunks"
+    assert [(c.job_id, c.data) for c in first.items] == [("a", "1"), ("b", "x"), ("a", "2")]
+
+
+class _Stream:
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+
+    async def iter_any(self):  # type: ignore[no-untyped-def]
+        for p in self.pieces:
+            yield p
+
+
+def test_sse_parsing_across_reads() -> None:
+    pieces = [b'data: {"a":1}\n\ndata: {"b"', b":2}\n\n: keep-alive\n\n", b"data: [DONE]\n\n"]
+
+    async def collect() -> list[list[str]]:
+        return [batch async for batch in sse_data(_Stream(pieces))]  # type: ignore[arg-type]
+
+    assert asyncio.run(collect()) == [['{"a":1}'], ['{"b":2}'], ["[DONE]"]]
+
+
+def test_backend_errors_are_readable() -> None:
+    e = error_from_body(400, b'{"error":{"code":400,"message":"too long","type":"x"}}')
+    assert (e.message, e.type, e.code) == ("too long", "x", 400)
+    e = error_from_body(502, b"<html>bad gateway</html>")
+    assert "502" in e.message and "bad gateway" in e.message

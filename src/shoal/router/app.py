@@ -10,6 +10,7 @@ from collections.abc import Generator
 
 import uvicorn
 from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from shoal import __version__
 from shoal.router import errors
@@ -22,12 +23,15 @@ from shoal.router.workers import Registry
 
 log = logging.getLogger(__name__)
 
+KEEP_ALIVE_S = 75
+"""Idle client connections stay open this long: clients pool them (as nginx does, 75 s)."""
+
 
 class RouterConfigError(Exception):
     pass
 
 
-def build_app(settings: RouterSettings) -> FastAPI:
+def build_app(settings: RouterSettings) -> ASGIApp:
     problem = settings.security_problem()
     if problem:
         raise RouterConfigError(problem)
@@ -39,16 +43,17 @@ def build_app(settings: RouterSettings) -> FastAPI:
         docs_url=None,
         redoc_url=None,
     )
-    app.state.ctx = RouterContext(
+    ctx = RouterContext(
         settings=settings,
         registry=registry,
         dispatcher=Dispatcher(settings, registry),
         keys=KeyCheck(settings.api_key, settings.gpu_key),
     )
+    app.state.ctx = ctx
     errors.install(app)
     for module in (inference, models, health, worker_socket):
         app.include_router(module.router)
-    return app
+    return inference.FastPath(app, ctx)
 
 
 class _Server(uvicorn.Server):
@@ -59,7 +64,7 @@ class _Server(uvicorn.Server):
         yield
 
 
-def build_server(settings: RouterSettings, app: FastAPI | None = None) -> uvicorn.Server:
+def build_server(settings: RouterSettings, app: ASGIApp | None = None) -> uvicorn.Server:
     config = uvicorn.Config(
         app or build_app(settings),
         host=settings.host,
@@ -72,6 +77,7 @@ def build_server(settings: RouterSettings, app: FastAPI | None = None) -> uvicor
         ws_ping_interval=20.0,
         ws_ping_timeout=20.0,
         timeout_graceful_shutdown=5,
+        timeout_keep_alive=KEEP_ALIVE_S,
         lifespan="off",
     )
     return _Server(config)

@@ -7,6 +7,7 @@ case the request's model is swapped for the backend's and the replies' back agai
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from shoal.worker.outbox import Outbox
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
+FINISH_BODY_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -183,6 +185,7 @@ class Backend:
             for data in batch:
                 if data == "[DONE]":
                     out.send(JobDone(job_id=job_id))
+                    await _finish_body(resp)
                     return
                 if data.startswith('{"error"'):
                     err = error_from_body(500, data.encode())
@@ -201,6 +204,7 @@ class Backend:
                 if data == "[DONE]":
                     body = orjson.dumps(aggregate(chunks, job.endpoint)).decode()
                     out.send(JobResult(job_id=job.job_id, body=self._rename(body)))
+                    await _finish_body(resp)
                     return
                 chunk = orjson.loads(data)
                 if "error" in chunk:
@@ -209,6 +213,12 @@ class Backend:
                     return
                 chunks.append(chunk)
         raise aiohttp.ClientPayloadError("the backend ended the stream without [DONE]")
+
+
+async def _finish_body(resp: aiohttp.ClientResponse) -> None:
+    """Read the end of the HTTP body after [DONE], so the connection is kept for reuse."""
+    async with asyncio.timeout(FINISH_BODY_TIMEOUT_S):
+        await resp.read()
 
 
 async def discover_model(

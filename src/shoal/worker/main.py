@@ -34,6 +34,8 @@ from shoal.worker.settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 # Generous: the router's own request timeouts apply; a long answer must not be cut here.
+BACKEND_KEEPALIVE_S = 3.0
+"""Under llama-server's own 5 s idle limit, so we never write to a connection it is closing."""
 BACKEND_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=10.0, sock_connect=10.0)
 
 
@@ -131,7 +133,7 @@ async def run_worker(
         the_plan.model.name,
         settings.ws_url,
     )
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=BACKEND_KEEPALIVE_S)
     async with (
         aiohttp.ClientSession(connector=connector, timeout=BACKEND_TIMEOUT) as session,
         asyncio.TaskGroup() as tg,

@@ -10,10 +10,10 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 
@@ -72,14 +72,18 @@ class Processes:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.named: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None
-              ) -> subprocess.Popen[bytes]:
+    def start(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with (self.log_dir / f"{name}.log").open("wb") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL,
-                                    env={k: v for k, v in (env or os.environ).items()
-                                         if not k.startswith("SHOAL_")})
+            proc = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={k: v for k, v in (env or os.environ).items() if not k.startswith("SHOAL_")},
+            )
         self.procs.append(proc)
         self.named[name] = proc
         return proc

@@ -47,12 +47,22 @@ async def chat(request: web.Request) -> web.StreamResponse:
     if not body.get("stream"):
         for _ in range(n):
             await ticker.tick.wait()
-        return web.json_response({
-            "id": "fake", "object": "chat.completion", "created": 0, "model": "fake",
-            "choices": [{"index": 0, "finish_reason": "length",
-                         "message": {"role": "assistant", "content": "tok" * n}}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1},
-        })
+        return web.json_response(
+            {
+                "id": "fake",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "fake",
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "length",
+                        "message": {"role": "assistant", "content": "tok" * n},
+                    }
+                ],
+                "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1},
+            }
+        )
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     for i in range(n):
@@ -83,8 +93,14 @@ def main() -> None:
     app.router.add_get("/v1/models", models)
     import uvloop
 
-    web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None,
-                loop=uvloop.new_event_loop())
+    web.run_app(
+        app,
+        host="127.0.0.1",
+        port=args.port,
+        print=None,
+        access_log=None,
+        loop=uvloop.new_event_loop(),
+    )
 
 
 if __name__ == "__main__":

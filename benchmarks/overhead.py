@@ -62,10 +62,17 @@ class Samples:
     reconnects: int = 0
 
 
-async def one(session: aiohttp.ClientSession, url: str, prompt: str, tokens: int,
-              out: Samples) -> int:
-    body = {"model": "bench", "stream": True, "max_tokens": tokens, "temperature": 0,
-            "ignore_eos": True, "messages": [{"role": "user", "content": prompt}]}
+async def one(
+    session: aiohttp.ClientSession, url: str, prompt: str, tokens: int, out: Samples
+) -> int:
+    body = {
+        "model": "bench",
+        "stream": True,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": prompt}],
+    }
     for attempt in range(3):
         try:
             return await _one(session, url, body, out)
@@ -78,8 +85,9 @@ async def one(session: aiohttp.ClientSession, url: str, prompt: str, tokens: int
     raise AssertionError("unreachable")
 
 
-async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, object],
-               out: Samples) -> int:
+async def _one(
+    session: aiohttp.ClientSession, url: str, body: dict[str, object], out: Samples
+) -> int:
     t0 = time.perf_counter()
     last = 0.0
     count = 0
@@ -100,17 +108,27 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, object]
     return count
 
 
-async def round_(session: aiohttp.ClientSession, url: str, concurrency: int, tokens: int,
-                 offset: int, out: Samples) -> None:
+async def round_(
+    session: aiohttp.ClientSession,
+    url: str,
+    concurrency: int,
+    tokens: int,
+    offset: int,
+    out: Samples,
+) -> None:
     t0 = time.perf_counter()
-    counts = await asyncio.gather(*(
-        one(session, url, PROMPTS[(offset + i) % len(PROMPTS)], tokens, out)
-        for i in range(concurrency)))
+    counts = await asyncio.gather(
+        *(
+            one(session, url, PROMPTS[(offset + i) % len(PROMPTS)], tokens, out)
+            for i in range(concurrency)
+        )
+    )
     out.tokens_per_s.append(sum(counts) / (time.perf_counter() - t0))
 
 
-async def measure(urls: dict[str, str], concurrency: int, rounds: int, tokens: int
-                  ) -> dict[str, Samples]:
+async def measure(
+    urls: dict[str, str], concurrency: int, rounds: int, tokens: int
+) -> dict[str, Samples]:
     samples = {name: Samples() for name in urls}
     names = list(urls)
     connector = aiohttp.TCPConnector(keepalive_timeout=3)  # llama-server closes idle ones at 5 s
@@ -139,16 +157,20 @@ def summarize(s: Samples) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument(
-        "--llama-threads", type=int, default=1,
+        "--llama-threads",
+        type=int,
+        default=1,
         help="llama-server threads. With every core busy computing (a CPU-only box; a GPU "
         "leaves them free) the relay waits for a time slice and the benchmark measures the "
-        "scheduler, not Shoal, so by default one core is left for client and relay.")
+        "scheduler, not Shoal, so by default one core is left for client and relay.",
+    )
     args = parser.parse_args()
 
     cache = CommonSettings().cache_dir
@@ -160,21 +182,51 @@ def main() -> None:
     logs = Path(__file__).parent / "results" / "logs" / "overhead"
     results: dict[str, dict[str, dict[str, float]]] = {}
     with processes(logs) as procs:
-        procs.start("llama-server", [str(binary.llama_server), "-m", str(model.path),
-                                     "--alias", "bench", "--port", str(llama_port),
-                                     "-np", "4", "-c", "8192", "--no-webui",
-                                     "--threads", str(args.llama_threads)])
+        procs.start(
+            "llama-server",
+            [
+                str(binary.llama_server),
+                "-m",
+                str(model.path),
+                "--alias",
+                "bench",
+                "--port",
+                str(llama_port),
+                "-np",
+                "4",
+                "-c",
+                "8192",
+                "--no-webui",
+                "--threads",
+                str(args.llama_threads),
+            ],
+        )
         wait_http(direct + "/health")
         procs.shoal("router", "router", "--port", str(router_port), "--log-level", "warning")
-        procs.shoal("worker", "worker", "--router-url", f"127.0.0.1:{router_port}",
-                    "--backend-url", direct, "--model-alias", "bench", "--slots", "4",
-                    "--log-level", "warning")
+        procs.shoal(
+            "worker",
+            "worker",
+            "--router-url",
+            f"127.0.0.1:{router_port}",
+            "--backend-url",
+            direct,
+            "--model-alias",
+            "bench",
+            "--slots",
+            "4",
+            "--log-level",
+            "warning",
+        )
         wait_workers(router, 1)
-        urls = {"direct": direct + "/v1/chat/completions",
-                "router": router + "/v1/chat/completions"}
+        urls = {
+            "direct": direct + "/v1/chat/completions",
+            "router": router + "/v1/chat/completions",
+        }
         for c in args.concurrency:
-            print(f"concurrency {c}: {args.rounds} rounds of {c} x {args.tokens} tokens "
-                  "per path ...", flush=True)
+            print(
+                f"concurrency {c}: {args.rounds} rounds of {c} x {args.tokens} tokens per path ...",
+                flush=True,
+            )
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
                 samples = runner.run(measure(urls, c, args.rounds, args.tokens))
             results[f"c{c}"] = {name: summarize(s) for name, s in samples.items()}
@@ -189,18 +241,57 @@ def main() -> None:
         pair["added"] = added
         for name in ("direct", "router"):
             s = pair[name]
-            rows.append([key, name, s["ttft_p50_ms"], s["ttft_p99_ms"], s["gap_p50_ms"],
-                         s["gap_p99_ms"], s["tokens_per_s_median"], ""])
-        rows.append([key, "added / ratio", added["added_ttft_p50_ms"], "",
-                     added["added_gap_p50_ms"], "", "", f"{added['throughput_ratio']:.3f}x"])
+            rows.append(
+                [
+                    key,
+                    name,
+                    s["ttft_p50_ms"],
+                    s["ttft_p99_ms"],
+                    s["gap_p50_ms"],
+                    s["gap_p99_ms"],
+                    s["tokens_per_s_median"],
+                    "",
+                ]
+            )
+        rows.append(
+            [
+                key,
+                "added / ratio",
+                added["added_ttft_p50_ms"],
+                "",
+                added["added_gap_p50_ms"],
+                "",
+                "",
+                f"{added['throughput_ratio']:.3f}x",
+            ]
+        )
     print_table(
         "Overhead of router + worker over llama-server (targets: added TTFT p50 <= 2 ms, "
         "added gap p50 <= 0.3 ms, throughput >= 0.98x)",
-        ["conc", "path", "TTFT p50 ms", "TTFT p99 ms", "gap p50 ms", "gap p99 ms",
-         "tok/s (median round)", "ratio"], rows)
-    write_json("overhead", {"config": vars(args), "results": results,
-                            "targets": {"added_ttft_p50_ms": 2.0, "added_gap_p50_ms": 0.3,
-                                        "throughput_ratio": 0.98}})
+        [
+            "conc",
+            "path",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "gap p50 ms",
+            "gap p99 ms",
+            "tok/s (median round)",
+            "ratio",
+        ],
+        rows,
+    )
+    write_json(
+        "overhead",
+        {
+            "config": vars(args),
+            "results": results,
+            "targets": {
+                "added_ttft_p50_ms": 2.0,
+                "added_gap_p50_ms": 0.3,
+                "throughput_ratio": 0.98,
+            },
+        },
+    )
 
 
 if __name__ == "__main__":

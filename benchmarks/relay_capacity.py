@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import resource
 import sys
 import time
 from collections.abc import Coroutine
@@ -49,10 +50,15 @@ class Tally:
     streams_done: int = 0
 
 
-async def one_stream(session: aiohttp.ClientSession, url: str, tokens: int, tally: Tally,
-                     measure: asyncio.Event) -> None:
-    body = {"model": "fake", "stream": True, "max_tokens": tokens,
-            "messages": [{"role": "user", "content": "go"}]}
+async def one_stream(
+    session: aiohttp.ClientSession, url: str, tokens: int, tally: Tally, measure: asyncio.Event
+) -> None:
+    body = {
+        "model": "fake",
+        "stream": True,
+        "max_tokens": tokens,
+        "messages": [{"role": "user", "content": "go"}],
+    }
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
             tally.errors += 1
@@ -68,7 +74,7 @@ async def one_stream(session: aiohttp.ClientSession, url: str, tokens: int, tall
                 at = event.find(TS_KEY)
                 if at < 0:
                     continue
-                sent = float(event[at + len(TS_KEY):event.index(b"}", at)])
+                sent = float(event[at + len(TS_KEY) : event.index(b"}", at)])
                 if measure.is_set():
                     tally.tokens += 1
                     if prev_recv:
@@ -77,8 +83,9 @@ async def one_stream(session: aiohttp.ClientSession, url: str, tokens: int, tall
     tally.streams_done += 1
 
 
-async def drive(url: str, streams: int, tokens: int, warmup: float, seconds: float
-                ) -> dict[str, float]:
+async def drive(
+    url: str, streams: int, tokens: int, warmup: float, seconds: float
+) -> dict[str, float]:
     tally = Tally()
     measure = asyncio.Event()
     deadline = time.monotonic() + warmup + seconds
@@ -92,17 +99,19 @@ async def drive(url: str, streams: int, tokens: int, warmup: float, seconds: flo
             except aiohttp.ClientError:
                 tally.errors += 1
 
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        async with asyncio.TaskGroup() as tg:
-            for _ in range(streams):
-                tg.create_task(loop_stream(session))
-            await asyncio.sleep(warmup)
-            measure.set()
-            t0 = time.monotonic()
-            await asyncio.sleep(seconds)
-            measured = time.monotonic() - t0
-            snapshot_tokens = tally.tokens
-            gaps = list(tally.added_gaps_ms)
+    async with (
+        aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
+        asyncio.TaskGroup() as tg,
+    ):
+        for _ in range(streams):
+            tg.create_task(loop_stream(session))
+        await asyncio.sleep(warmup)
+        measure.set()
+        t0 = time.monotonic()
+        await asyncio.sleep(seconds)
+        measured = time.monotonic() - t0
+        snapshot_tokens = tally.tokens
+        gaps = list(tally.added_gaps_ms)
     return {
         "tokens_per_s": snapshot_tokens / measured,
         "added_gap_p50_ms": median(gaps),
@@ -114,8 +123,9 @@ async def drive(url: str, streams: int, tokens: int, warmup: float, seconds: flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--streams", type=int, default=500)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--interval-ms", type=float, default=25.0)
@@ -131,37 +141,104 @@ def main() -> None:
     slots = args.streams // args.workers + 8
     results: dict[str, dict[str, float]] = {}
     with processes(logs) as procs:
-        procs.start("fake-backend", [sys.executable, str(Path(__file__).parent / "fake_backend.py"),
-                                     "--port", str(backend_port),
-                                     "--interval-ms", str(args.interval_ms)])
+        procs.start(
+            "fake-backend",
+            [
+                sys.executable,
+                str(Path(__file__).parent / "fake_backend.py"),
+                "--port",
+                str(backend_port),
+                "--interval-ms",
+                str(args.interval_ms),
+            ],
+        )
         wait_http(backend + "/v1/models")
-        procs.shoal("router", "router", "--port", str(router_port), "--log-level", "warning",
-                    "--max-queue", str(args.streams * 2))
+        procs.shoal(
+            "router",
+            "router",
+            "--port",
+            str(router_port),
+            "--log-level",
+            "warning",
+            "--max-queue",
+            str(args.streams * 2),
+        )
         wait_http(router + "/health")
         for i in range(args.workers):
-            procs.shoal(f"worker-{i}", "worker", "--router-url", f"127.0.0.1:{router_port}",
-                        "--backend-url", backend, "--model-alias", "fake", "--name", f"relay{i}",
-                        "--slots", str(slots), "--log-level", "warning")
+            procs.shoal(
+                f"worker-{i}",
+                "worker",
+                "--router-url",
+                f"127.0.0.1:{router_port}",
+                "--backend-url",
+                backend,
+                "--model-alias",
+                "fake",
+                "--name",
+                f"relay{i}",
+                "--slots",
+                str(slots),
+                "--log-level",
+                "warning",
+            )
         wait_workers(router, args.workers)
         for name, base in (("direct to fake backend", backend), ("through router", router)):
-            print(f"running {args.streams} streams {name} for {args.seconds:g} s ...",
-                  flush=True)
+            print(f"running {args.streams} streams {name} for {args.seconds:g} s ...", flush=True)
             before = {p: cpu_seconds(p.pid) for p in procs.procs}
+            client_before = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.monotonic()
             results[name] = _run(
-                drive(base + "/v1/chat/completions", args.streams, args.tokens, args.warmup,
-                      args.seconds))
+                drive(
+                    base + "/v1/chat/completions",
+                    args.streams,
+                    args.tokens,
+                    args.warmup,
+                    args.seconds,
+                )
+            )
             wall = time.monotonic() - t0
             cpu = {n: (cpu_seconds(p.pid) - before[p]) / wall for n, p in procs.named.items()}
+            client = resource.getrusage(resource.RUSAGE_SELF)
+            cpu["client"] = (
+                client.ru_utime + client.ru_stime - client_before.ru_utime - client_before.ru_stime
+            ) / wall
             results[name].update({f"cpu_{n}": round(v, 3) for n, v in cpu.items()})
-    rows = [[name, r["tokens_per_s"], r["added_gap_p50_ms"], r["added_gap_p99_ms"],
-             r["added_gap_max_ms"], int(r["errors"])] for name, r in results.items()]
+    rows = [
+        [
+            name,
+            r["tokens_per_s"],
+            r["added_gap_p50_ms"],
+            r["added_gap_p99_ms"],
+            r["added_gap_max_ms"],
+            int(r["errors"]),
+            r.get("cpu_router", 0.0),
+            sum(v for k, v in r.items() if k.startswith("cpu_")),
+        ]
+        for name, r in results.items()
+    ]
     print_table(
         f"Relay capacity: {args.streams} streams, {args.workers} workers, one chunk per stream "
         f"every {args.interval_ms:g} ms (target >= 20,000 tok/s, p99 added gap <= 20 ms)",
-        ["path", "tokens/s", "added gap p50 ms", "p99 ms", "max ms", "errors"], rows)
-    write_json("relay_capacity", {"config": vars(args), "results": results,
-                                  "targets": {"tokens_per_s": 20000, "added_gap_p99_ms": 20}})
+        [
+            "path",
+            "tokens/s",
+            "added gap p50 ms",
+            "p99 ms",
+            "max ms",
+            "errors",
+            "router cores",
+            "all cores",
+        ],
+        rows,
+    )
+    write_json(
+        "relay_capacity",
+        {
+            "config": vars(args),
+            "results": results,
+            "targets": {"tokens_per_s": 20000, "added_gap_p99_ms": 20},
+        },
+    )
 
 
 def _run(coro: Coroutine[Any, Any, dict[str, float]]) -> dict[str, float]:

@@ -29,7 +29,6 @@ from shoal.worker.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S = 10.0
 FINISH_BODY_TIMEOUT_S = 5.0
 
 

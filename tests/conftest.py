@@ -1,11 +1,12 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
-from cluster import Cluster, llama_server_pids
+from cluster import API_KEY, Cluster, llama_server_pids
 from shoal.llama_cpp.errors import LlamaCppError
 from shoal.llama_cpp.locate import resolve
 from shoal.models.default import DEFAULT_MODEL
@@ -63,3 +64,20 @@ def session_cluster(
     tmp_path_factory: pytest.TempPathFactory, llama_server: Path, model_path: Path
 ) -> Iterator[Cluster]:
     yield from _cluster(tmp_path_factory.mktemp("cluster"), llama_server, model_path)
+
+
+@pytest.fixture
+def make_client() -> Iterator[Callable[..., openai.OpenAI]]:
+    """Official OpenAI clients for a router URL, all closed after the test."""
+    clients: list[openai.OpenAI] = []
+
+    def make(base_url: str, api_key: str = API_KEY) -> openai.OpenAI:
+        client = openai.OpenAI(
+            base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=60
+        )
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.close()

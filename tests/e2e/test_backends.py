@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from cluster import API_KEY, Cluster, free_port, wait_until
+from cluster import Cluster, free_port, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -50,7 +50,9 @@ def external_llama(llama_server: Path, model_path: Path, tmp_path: Path) -> Iter
         log.close()
 
 
-def test_attached_backend_serves_under_public_name(cluster: Cluster, external_llama: str) -> None:
+def test_attached_backend_serves_under_public_name(
+    cluster: Cluster, external_llama: str, make_client: Callable[..., openai.OpenAI]
+) -> None:
     router = cluster.router()
     cluster.worker(
         router,
@@ -64,7 +66,7 @@ def test_attached_backend_serves_under_public_name(cluster: Cluster, external_ll
     )
     [worker] = router.wait_workers(1)
     assert worker["models"][0]["name"] == "public-name"
-    client = openai.OpenAI(base_url=router.url + "/v1", api_key=API_KEY, max_retries=0)
+    client = make_client(router.url)
     r = client.chat.completions.create(
         model="public-name", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
     )
@@ -80,11 +82,11 @@ def test_attached_backend_serves_under_public_name(cluster: Cluster, external_ll
     assert chunks and {c.model for c in chunks} == {"public-name"}
 
 
-def test_embeddings_worker(cluster: Cluster) -> None:
+def test_embeddings_worker(cluster: Cluster, make_client: Callable[..., openai.OpenAI]) -> None:
     router = cluster.router()
     cluster.worker(router, "--embedding", "--model-alias", "smol-embed")
     router.wait_workers(1)
-    client = openai.OpenAI(base_url=router.url + "/v1", api_key=API_KEY, max_retries=0)
+    client = make_client(router.url)
     r = client.embeddings.create(model="smol-embed", input=["hello world", "the sea"])
     assert len(r.data) == 2
     assert len(r.data[0].embedding) == 576  # SmolLM2-135M's embedding width

@@ -162,7 +162,7 @@ class TestErrors:
 
     def test_bad_key_is_401(self, shared: Shared) -> None:
         bad = openai.OpenAI(base_url=shared.router.url + "/v1", api_key="wrong", max_retries=0)
-        with pytest.raises(openai.AuthenticationError) as info:
+        with bad, pytest.raises(openai.AuthenticationError) as info:
             bad.chat.completions.create(model=MODEL, messages=HELLO)
         assert info.value.code == "invalid_api_key"
         r = httpx.get(shared.router.url + "/v1/models")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import openai
@@ -42,7 +43,9 @@ def _queued(router: Router) -> int:
     return int(models[0]["queued"])
 
 
-def test_full_queue_is_429_and_long_wait_is_503(cluster: Cluster) -> None:
+def test_full_queue_is_429_and_long_wait_is_503(
+    cluster: Cluster, make_client: Callable[..., openai.OpenAI]
+) -> None:
     router = cluster.router("--max-queue", "1", "--max-wait", "1.5")
     cluster.worker(router, "--slots", "1")
     router.wait_workers(1)
@@ -51,7 +54,7 @@ def test_full_queue_is_429_and_long_wait_is_503(cluster: Cluster) -> None:
     holder.start()
     try:
         assert started.wait(30), cluster.logs()
-        client = openai.OpenAI(base_url=router.url + "/v1", api_key=API_KEY, max_retries=0)
+        client = make_client(router.url)
         results: list[BaseException] = []
 
         def waiter() -> None:

@@ -53,8 +53,8 @@ def test_up_serves_and_stops_cleanly(tmp_path, llama_server, model_path) -> None
             json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
         )
         assert r.status_code == 200 and r.json()["model"] == MODEL
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
-        assert [m.id for m in client.models.list()] == [MODEL]
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused") as client:
+            assert [m.id for m in client.models.list()] == [MODEL]
         assert llama_server_pids() - before
     finally:
         proc.signal(signal.SIGINT)

@@ -7,7 +7,7 @@ backend wrote it, so the client measures the *added gap*: (gap between two chunk
 received) - (gap between them as sent). The same client run straight against the fake
 backend gives the floor that this machine's scheduling adds on its own.
 
-    python benchmarks/relay_capacity.py --streams 500 --workers 4 --seconds 20
+    python benchmarks/relay_capacity.py --streams 500 --workers 2 --seconds 20
 
 Target (issue 2): >= 20,000 tokens/s across 500 concurrent streams, p99 added gap <= 20 ms.
 """
@@ -127,7 +127,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--streams", type=int, default=500)
-    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--interval-ms", type=float, default=25.0)
     parser.add_argument("--tokens", type=int, default=200, help="tokens per stream request")
     parser.add_argument("--seconds", type=float, default=20.0)

@@ -17,7 +17,9 @@ ROOT=$PWD
 VENV=$ROOT/.venv
 STAMP_DIR=$ROOT/.setup
 
-say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+say() {
+    if [ -t 2 ]; then printf '\033[1m==> %s\033[0m\n' "$*" >&2; else printf '==> %s\n' "$*" >&2; fi
+}
 
 find_python() {
     for candidate in python3.13 python3.12 python3.11 python3; do

@@ -12,6 +12,7 @@ from shoal.protocol.messages import (
     decode_router_message,
     decode_worker_message,
     encode,
+    encode_chunks,
 )
 
 
@@ -52,3 +53,13 @@ def test_unknown_endpoint_is_rejected() -> None:
             '{"type": "job", "job_id": "j", "model": "m", '
             '"endpoint": "bogus", "stream": true, "body": {}}'
         )
+
+
+def test_fast_chunk_encoding_is_the_chunks_message() -> None:
+    items = [(JobId("job_1"), '{"a": "é\\n\\"q\\""}'), (JobId("job_2"), "[DONE]")]
+    fast = encode_chunks(items)
+    slow = encode(Chunks(items=tuple(Chunk(job_id=j, data=d) for j, d in items)))
+    assert fast == slow.encode()
+    assert decode_worker_message(fast) == Chunks(
+        items=tuple(Chunk(job_id=j, data=d) for j, d in items)
+    )

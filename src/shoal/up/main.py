@@ -42,6 +42,13 @@ def banner(url: str, model: str, api_key: str | None) -> str:
     )
 
 
+def _reachable_host(host: str) -> str:
+    """How this machine reaches its own router: loopback for wildcard binds, brackets for v6."""
+    if host in ("0.0.0.0", "::", "") or is_loopback(host):
+        return "127.0.0.1" if ":" not in host else "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
 async def run_up(settings: UpSettings, path_env: str | None) -> None:
     api_key = settings.api_key
     if api_key is None and not is_loopback(settings.host):
@@ -60,10 +67,9 @@ async def run_up(settings: UpSettings, path_env: str | None) -> None:
     except RouterConfigError as exc:
         raise UpError(str(exc)) from None
     port = sock.getsockname()[1]
+    local = _reachable_host(settings.host)
     worker_settings = WorkerSettings(
-        router_url=f"127.0.0.1:{port}"
-        if is_loopback(settings.host) or settings.host in ("0.0.0.0", "::")
-        else f"{settings.host}:{port}",
+        router_url=f"{local}:{port}",
         gpu_key=SecretStr(gpu_key),
         name="local",
         model=settings.model,
@@ -76,8 +82,7 @@ async def run_up(settings: UpSettings, path_env: str | None) -> None:
         log_level=settings.log_level,
     )
     the_plan = await asyncio.to_thread(plan, worker_settings, path_env)
-    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
-    url = f"http://{host}:{port}"
+    url = f"http://{local}:{port}"
     ready = asyncio.Event()
     async with asyncio.TaskGroup() as tg:
         tg.create_task(serve(router_settings, sock))

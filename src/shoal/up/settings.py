@@ -17,7 +17,7 @@ class UpSettings(CommonSettings):
         DEFAULT_MODEL.id, description="Model to serve: a known model id or a path to a .gguf file."
     )
     model_alias: str | None = Field(None, description="Public model name clients use.")
-    slots: int = Field(4, ge=1, le=256, description="Requests served at once.")
+    slots: int = Field(4, ge=1, le=4096, description="Requests served at once.")
     ctx_size: int = Field(4096, ge=256, description="Context length per slot.")
     threads: int | None = Field(None, ge=1, description="CPU threads for llama-server.")
     llama_server_path: Path | None = Field(

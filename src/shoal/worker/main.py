@@ -75,7 +75,7 @@ def plan(settings: WorkerSettings, path_env: str | None) -> Plan:
         ctx_size=settings.ctx_size,
         threads=settings.threads,
         embedding=settings.embedding,
-        extra_args=tuple(shlex.split(settings.llama_server_args)),
+        extra_args=_extra_args(settings.llama_server_args),
         log_file=logs_dir(settings.cache_dir) / f"llama-server-{alias.replace('/', '_')}.log",
         max_restarts=settings.max_restarts,
     )
@@ -86,6 +86,17 @@ def plan(settings: WorkerSettings, path_env: str | None) -> Plan:
         backend="llama-server",
     )
     return Plan(info, config)
+
+
+class WorkerConfigError(Exception):
+    pass
+
+
+def _extra_args(text: str) -> tuple[str, ...]:
+    try:
+        return tuple(shlex.split(text))
+    except ValueError as exc:
+        raise WorkerConfigError(f"--llama-server-args is not valid shell quoting: {exc}") from None
 
 
 async def run_worker(

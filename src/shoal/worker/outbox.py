@@ -11,14 +11,17 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from shoal.protocol.ids import JobId
-from shoal.protocol.messages import Chunk, Chunks, Message, encode
+from shoal.protocol.messages import Message, encode, encode_chunks
 
 MAX_CHUNKS_PER_FRAME = 512
+
+Pending = Message | tuple[JobId, str]
+Frame = str | bytes
 
 
 class Outbox:
     def __init__(self) -> None:
-        self._pending: list[Message | Chunk] = []
+        self._pending: list[Pending] = []
         self._wake = asyncio.Event()
 
     def send(self, message: Message) -> None:
@@ -26,13 +29,13 @@ class Outbox:
         self._wake.set()
 
     def chunk(self, job_id: JobId, data: str) -> None:
-        self._pending.append(Chunk.model_construct(job_id=job_id, data=data))
+        self._pending.append((job_id, data))
         self._wake.set()
 
     def clear(self) -> None:
         self._pending.clear()
 
-    async def pump(self, send: Callable[[str], Awaitable[None]]) -> None:
+    async def pump(self, send: Callable[[Frame], Awaitable[None]]) -> None:
         """Send frames forever (until cancelled), preserving order."""
         while True:
             await self._wake.wait()
@@ -42,20 +45,20 @@ class Outbox:
                 await send(frame)
 
 
-def frames(pending: list[Message | Chunk]) -> list[str]:
-    out: list[str] = []
-    batch: list[Chunk] = []
+def frames(pending: list[Pending]) -> list[Frame]:
+    out: list[Frame] = []
+    batch: list[tuple[JobId, str]] = []
     for item in pending:
-        if isinstance(item, Chunk):
+        if isinstance(item, tuple):
             batch.append(item)
             if len(batch) >= MAX_CHUNKS_PER_FRAME:
-                out.append(encode(Chunks.model_construct(items=tuple(batch))))
+                out.append(encode_chunks(batch))
                 batch = []
             continue
         if batch:
-            out.append(encode(Chunks.model_construct(items=tuple(batch))))
+            out.append(encode_chunks(batch))
             batch = []
         out.append(encode(item))
     if batch:
-        out.append(encode(Chunks.model_construct(items=tuple(batch))))
+        out.append(encode_chunks(batch))
     return out

@@ -56,7 +56,7 @@ class WorkerSettings(CommonSettings):
     llama_server_path: Path | None = Field(
         None, description="llama-server binary to use instead of the cached or built one."
     )
-    slots: int = Field(4, ge=1, le=256, description="Requests served at once (llama-server -np).")
+    slots: int = Field(4, ge=1, le=4096, description="Requests served at once (llama-server -np).")
     ctx_size: int = Field(
         4096, ge=256, description="Context length per slot (llama-server gets ctx-size x slots)."
     )

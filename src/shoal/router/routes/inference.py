@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import orjson
 from fastapi import APIRouter, Request
 from starlette.datastructures import Headers
 from starlette.responses import Response
@@ -14,7 +15,7 @@ from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import Endpoint
 from shoal.router.context import RouterContext, context
 from shoal.router.errors import BadRequest, RouterError, error_response
-from shoal.router.relay import JobResponse, json_body
+from shoal.router.relay import JobResponse
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,19 @@ OPENAPI_BODY: dict[str, Any] = {
         "content": {"application/json": {"schema": {"type": "object"}}},
     }
 }
+
+
+def json_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(
+            f"The request body is not valid JSON ({exc.msg} at position {exc.pos}). "
+            "Send a JSON object with Content-Type: application/json."
+        ) from None
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    return body
 
 
 def check_body(endpoint: Endpoint, body: dict[str, Any], default_model: str) -> tuple[str, bool]:

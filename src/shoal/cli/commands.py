@@ -101,24 +101,16 @@ def llama_cpp_help(args: argparse.Namespace) -> int:
 
 
 def llama_cpp_which(args: argparse.Namespace) -> int:
-    from shoal.llama_cpp.locate import describe, resolve
-
-    settings = _settings(LlamaCppSettings, args)
-    logs.setup(settings.log_level)
-    try:
-        found = resolve(
-            explicit=settings.llama_server_path,
-            cache_dir=settings.cache_dir,
-            path_env=_path_env(),
-            allow_build=False,
-        )
-    except LlamaCppError as exc:
-        raise UserError(str(exc)) from None
-    print(describe(found))
-    return 0
+    """What would run, building nothing: flag, cache, then PATH."""
+    return _llama_cpp(args, install=False)
 
 
 def llama_cpp_install(args: argparse.Namespace) -> int:
+    """Shoal's own build (cache, else build now); PATH is not consulted."""
+    return _llama_cpp(args, install=True)
+
+
+def _llama_cpp(args: argparse.Namespace, *, install: bool) -> int:
     from shoal.llama_cpp.locate import describe, resolve
 
     settings = _settings(LlamaCppSettings, args)
@@ -127,8 +119,8 @@ def llama_cpp_install(args: argparse.Namespace) -> int:
         found = resolve(
             explicit=settings.llama_server_path,
             cache_dir=settings.cache_dir,
-            path_env=None,
-            allow_build=True,
+            path_env=None if install else _path_env(),
+            allow_build=install,
         )
     except LlamaCppError as exc:
         raise UserError(str(exc)) from None

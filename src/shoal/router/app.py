@@ -17,7 +17,7 @@ from shoal.router import errors
 from shoal.router.auth import KeyCheck
 from shoal.router.context import RouterContext
 from shoal.router.dispatch import Dispatcher
-from shoal.router.routes import health, inference, models, worker_socket
+from shoal.router.routes import health, inference, models, pipeline, worker_socket
 from shoal.router.settings import RouterSettings
 from shoal.router.workers import Registry
 
@@ -51,7 +51,7 @@ def build_app(settings: RouterSettings) -> ASGIApp:
     )
     app.state.ctx = ctx
     errors.install(app)
-    for module in (inference, models, health, worker_socket):
+    for module in (inference, models, health, pipeline, worker_socket):
         app.include_router(module.router)
     return inference.FastPath(app, ctx)
 

@@ -1,0 +1,1 @@
+"""Deciding where models run: which workers hold which layers of a model."""

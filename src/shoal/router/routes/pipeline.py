@@ -1,0 +1,127 @@
+"""POST /api/v1/pipeline/plan: where a model's layers would go, before anything is loaded.
+
+The controller is embedded in the router: this module turns a GGUF file's structure into the
+planner's ``ModelProfile``, takes the connected workers' free memory from their heartbeats,
+and returns the pure planner's answer as JSON. A model that does not fit is an answer too
+(``fits: false`` with the shortfall), not an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import Response
+
+from shoal.controller.placement import ModelProfile, Node, NoFit, Shard, Strategy, plan
+from shoal.models.errors import ModelError
+from shoal.models.gguf_info import KV_CTX_PAD, GGUFInfo, inspect, kv_bytes_per_token
+from shoal.models.resolve import resolve_model
+from shoal.router.context import context
+from shoal.router.errors import BadRequest, ModelNotFound
+from shoal.router.routes.common import json_response
+from shoal.router.workers import WorkerConnection
+
+router = APIRouter()
+
+COMPUTE_MARGIN = 0.10
+COMPUTE_FLOOR_BYTES = 64 * 1024 * 1024
+
+
+class PlanRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="A known model id or the path of a .gguf file on the router.")
+    workers: list[str] | None = Field(
+        None, description="Worker ids in pipeline order (the first runs llama-server)."
+    )
+    ctx: int = Field(4096, ge=1, le=1 << 24, description="Total context (KV cells).")
+    strategy: Strategy = Strategy.PROPORTIONAL
+
+
+@functools.lru_cache(maxsize=16)
+def _inspect_cached(path: Path, mtime_ns: int, size: int) -> GGUFInfo:
+    return inspect(path)
+
+
+def profile_of(info: GGUFInfo, ctx: int) -> ModelProfile:
+    """The planner's view of a model: per-layer weights and KV, head and tail, compute."""
+    layers = range(info.n_layers)
+    weights = sum(layer.nbytes for layer in info.layers)
+    kv_total = kv_bytes_per_token(info, layers) * ctx
+    return ModelProfile(
+        n_layers=info.n_layers,
+        layer_weight_bytes=tuple(layer.nbytes for layer in info.layers),
+        kv_bytes_per_token=tuple(kv_bytes_per_token(info, range(i, i + 1)) for i in layers),
+        head_bytes=info.head_bytes,
+        tail_bytes=info.tail_bytes,
+        compute_bytes=math.ceil(COMPUTE_MARGIN * (weights + kv_total)) + COMPUTE_FLOOR_BYTES,
+    )
+
+
+@router.post("/api/v1/pipeline/plan")
+async def plan_pipeline(request: Request, body: PlanRequest) -> Response:
+    """Dry run: the layer split over workers for a model at a context size, as JSON."""
+    ctx = context(request)
+    ctx.keys.client(request.headers)
+    try:
+        local = resolve_model(body.model, ctx.settings.cache_dir, download=False)
+    except ModelError as exc:
+        raise ModelNotFound(str(exc), param="model") from None
+    stat = local.path.stat()
+    info = await asyncio.to_thread(_inspect_cached, local.path, stat.st_mtime_ns, stat.st_size)
+    nodes = _nodes(request, body.workers)
+    cells = math.ceil(body.ctx / KV_CTX_PAD) * KV_CTX_PAD  # llama.cpp pads the KV cache
+    result = plan(profile_of(info, cells), nodes, cells, body.strategy)
+    answer: dict[str, Any] = {"model": local.id, "n_layers": info.n_layers, "ctx": cells}
+    if isinstance(result, NoFit):
+        answer.update(
+            fits=False,
+            needed_bytes=result.needed_bytes,
+            available_bytes=result.available_bytes,
+            shortfall_bytes=result.shortfall_bytes,
+            reason=result.reason,
+        )
+    else:
+        answer.update(
+            fits=True,
+            strategy=result.strategy.value,
+            head_worker=result.shards[0].node_id,
+            tensor_split=list(result.tensor_split),
+            shards=[_shard_json(s) for s in result.shards],
+        )
+    return json_response(answer)
+
+
+def _nodes(request: Request, wanted: list[str] | None) -> list[Node]:
+    workers: dict[str, WorkerConnection] = {w.id: w for w in context(request).registry}
+    if not workers:
+        raise BadRequest("No worker is connected; start workers before planning.")
+    ids = wanted if wanted is not None else sorted(workers)
+    unknown = [i for i in ids if i not in workers]
+    if unknown or not ids:
+        raise BadRequest(
+            f"Unknown worker id(s) {unknown}; connected: {', '.join(sorted(workers))}.",
+            param="workers",
+        )
+    return [Node(id=i, free_bytes=workers[i].ram_available_bytes) for i in ids]
+
+
+def _shard_json(shard: Shard) -> dict[str, Any]:
+    return {
+        "worker": shard.node_id,
+        "role": shard.role,
+        "layers": [shard.first_layer, shard.last_layer],
+        "n_layers": shard.n_layers,
+        "weight_bytes": shard.weight_bytes,
+        "kv_bytes": shard.kv_bytes,
+        "compute_bytes": shard.compute_bytes,
+        "total_bytes": shard.total_bytes,
+        "free_bytes": shard.free_bytes,
+        "margin_bytes": shard.margin_bytes,
+    }

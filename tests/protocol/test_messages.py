@@ -8,7 +8,9 @@ from shoal.protocol.messages import (
     Chunk,
     Chunks,
     Endpoint,
+    JobDone,
     JobStart,
+    decode_chunk_items,
     decode_router_message,
     decode_worker_message,
     encode,
@@ -63,3 +65,28 @@ def test_fast_chunk_encoding_is_the_chunks_message() -> None:
     assert decode_worker_message(fast) == Chunks(
         items=tuple(Chunk(job_id=j, data=d) for j, d in items)
     )
+
+
+def test_fast_chunk_decoding_matches_the_model() -> None:
+    items = [(JobId("job_1"), '{"a": "é\\n"}'), (JobId("job_2"), "x")]
+    frame = encode_chunks(items)
+    assert decode_chunk_items(frame) == items
+    assert decode_chunk_items(frame.decode()) == items
+    assert decode_chunk_items(encode(JobDone(job_id=JobId("j")))) is None
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b'{"type":"chunks","items":[{"job_id":"j","data":1}]}',
+        b'{"type":"chunks","items":[{"job_id":"j","data":"x","more":1}]}',
+        b'{"type":"chunks","items":[["j","x"]]}',
+        b'{"type":"chunks","items":[],"extra":true}',
+        b'{"type":"chunks","items":[{"job_id":"j"',
+    ],
+)
+def test_fast_chunk_decoding_rejects_what_the_model_rejects(frame: bytes) -> None:
+    with pytest.raises(ValueError):
+        decode_chunk_items(frame)
+    with pytest.raises(ValidationError):
+        decode_worker_message(frame)

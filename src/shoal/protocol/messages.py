@@ -230,6 +230,37 @@ def encode_chunks(items: Sequence[tuple[JobId, str]]) -> bytes:
     return orjson.dumps({"type": "chunks", "items": [{"job_id": j, "data": d} for j, d in items]})
 
 
+_CHUNKS_HEAD = b'{"type":"chunks","items":['
+_CHUNK_KEYS = {"job_id", "data"}
+_FRAME_KEYS = {"type", "items"}
+
+
+def decode_chunk_items(frame: str | bytes) -> list[tuple[JobId, str]] | None:
+    """The ``(job_id, data)`` pairs of a ``Chunks`` frame, or None for any other frame.
+
+    The hot path's decoder: the same checks as the ``Chunks`` model (exact keys, strings),
+    without building a model per chunk (~4x cheaper). Raises ``ValueError`` when a frame
+    that starts like a chunks frame is malformed.
+    """
+    raw = frame.encode() if isinstance(frame, str) else frame
+    if not raw.startswith(_CHUNKS_HEAD):
+        return None
+    obj = orjson.loads(raw)
+    if not isinstance(obj, dict) or obj.keys() != _FRAME_KEYS or not isinstance(obj["items"], list):
+        raise ValueError("malformed chunks frame")
+    out: list[tuple[JobId, str]] = []
+    for item in obj["items"]:
+        if (
+            not isinstance(item, dict)
+            or item.keys() != _CHUNK_KEYS
+            or not isinstance(item["job_id"], str)
+            or not isinstance(item["data"], str)
+        ):
+            raise ValueError("malformed chunk in a chunks frame")
+        out.append((JobId(item["job_id"]), item["data"]))
+    return out
+
+
 def decode_worker_message(frame: str | bytes) -> WorkerMessage:
     """Parse one frame from a worker. Raises ``pydantic.ValidationError`` on a malformed frame."""
     return WORKER_MESSAGES.validate_json(frame)
@@ -265,6 +296,7 @@ __all__ = [
     "StateChanged",
     "WorkerId",
     "WorkerMessage",
+    "decode_chunk_items",
     "decode_router_message",
     "decode_worker_message",
     "encode",

@@ -179,6 +179,12 @@ class Dispatcher:
         self.registry.add(worker)
         self.pump()
 
+    def on_chunks(self, worker: WorkerConnection, items: list[tuple[JobId, str]]) -> None:
+        """Streamed chunks (the hot path: decoded without a model per chunk)."""
+        worker.last_seen = time.monotonic()
+        for job_id, data in items:
+            self._on_chunk(worker, job_id, data)
+
     def on_message(self, worker: WorkerConnection, msg: WorkerMessage) -> None:
         worker.last_seen = time.monotonic()
         match msg:

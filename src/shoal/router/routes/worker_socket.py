@@ -23,6 +23,7 @@ from shoal.protocol.messages import (
     Refused,
     Register,
     Registered,
+    decode_chunk_items,
     decode_worker_message,
     encode,
 )
@@ -145,8 +146,11 @@ async def _read(ws: WebSocket, worker: WorkerConnection, ctx: RouterContext) -> 
         if frame is None:
             continue
         try:
-            msg = decode_worker_message(frame)
-            dispatcher.on_message(worker, msg)
+            items = decode_chunk_items(frame)
+            if items is not None:
+                dispatcher.on_chunks(worker, items)
+            else:
+                dispatcher.on_message(worker, decode_worker_message(frame))
         except (ValidationError, ValueError) as exc:
             log.warning("worker %s sent a malformed frame: %s", worker.id, exc)
             raise ProtocolViolation(str(exc).splitlines()[0]) from None

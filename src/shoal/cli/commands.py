@@ -66,6 +66,20 @@ def router(args: argparse.Namespace) -> int:
     return 0
 
 
+def data(args: argparse.Namespace) -> int:
+    from shoal.data.app import DataConfigError, build_app, serve
+    from shoal.data.settings import DataSettings
+
+    settings = _settings(DataSettings, args)
+    logs.setup(settings.log_level)
+    try:
+        app = build_app(settings)
+        run(serve(settings, app=app))
+    except DataConfigError as exc:
+        raise UserError(str(exc)) from None
+    return 0
+
+
 def worker(args: argparse.Namespace) -> int:
     from shoal.worker.link import Refusal
     from shoal.worker.main import WorkerConfigError, plan, run_worker

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 from shoal import __version__
 from shoal.cli import commands
+from shoal.data.settings import DataSettings
 from shoal.router.settings import RouterSettings
 from shoal.settings import add_settings_flags
 from shoal.up.settings import UpSettings
@@ -48,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_settings_flags(
         add("worker", "Run a worker that dials out to a router.", commands.worker), WorkerSettings
+    )
+    add_settings_flags(
+        add("data", "Run a model store that serves GGUF files to workers.", commands.data),
+        DataSettings,
     )
 
     llama = add("llama-cpp", "Find or build the llama.cpp binaries.", commands.llama_cpp_help)

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import socket
-from collections.abc import Generator
 
-import uvicorn
 from fastapi import FastAPI
 from starlette.types import ASGIApp
 
-from shoal import __version__
+from shoal import __version__, serving
+from shoal.data import routes as data_routes
+from shoal.data.store import ModelStore
 from shoal.router import errors
 from shoal.router.auth import KeyCheck
 from shoal.router.context import RouterContext
@@ -22,9 +20,6 @@ from shoal.router.settings import RouterSettings
 from shoal.router.workers import Registry
 
 log = logging.getLogger(__name__)
-
-KEEP_ALIVE_S = 75
-"""Idle client connections stay open this long: clients pool them (as nginx does, 75 s)."""
 
 
 class RouterConfigError(Exception):
@@ -53,34 +48,20 @@ def build_app(settings: RouterSettings) -> ASGIApp:
     errors.install(app)
     for module in (inference, models, health, pipeline, worker_socket):
         app.include_router(module.router)
+    if settings.storage is not None:
+        try:
+            store = ModelStore(settings.storage)
+        except OSError as exc:
+            raise RouterConfigError(
+                f"cannot use {settings.storage} as the model store: {exc.strerror}"
+            ) from None
+        data_routes.install(
+            app,
+            store,
+            read_keys=settings.api_key + settings.gpu_key,  # clients and workers may read
+            admin_keys=settings.admin_key,
+        )
     return inference.FastPath(app, ctx)
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handlers: the process's composition root owns signals."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
-
-
-def build_server(settings: RouterSettings, app: ASGIApp | None = None) -> uvicorn.Server:
-    config = uvicorn.Config(
-        app or build_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level="warning",
-        access_log=False,
-        loop="none",
-        ws="websockets-sansio",
-        ws_max_size=64 * 1024 * 1024,
-        ws_ping_interval=20.0,
-        ws_ping_timeout=20.0,
-        timeout_graceful_shutdown=5,
-        timeout_keep_alive=KEEP_ALIVE_S,
-        lifespan="off",
-    )
-    return _Server(config)
 
 
 def describe_security(settings: RouterSettings) -> str:
@@ -90,18 +71,10 @@ def describe_security(settings: RouterSettings) -> str:
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """Bind the listening socket up front: errors surface at once and port 0 works."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise RouterConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
+        return serving.bind(host, port)
+    except serving.BindError as exc:
+        raise RouterConfigError(str(exc)) from None
 
 
 async def serve(settings: RouterSettings, sock: socket.socket | None = None) -> None:
@@ -117,13 +90,4 @@ async def serve(settings: RouterSettings, sock: socket.socket | None = None) -> 
         describe_security(settings),
         "workers need a GPU key" if settings.gpu_key else "any local worker may join",
     )
-    server = build_server(settings, app)
-    try:
-        await server.serve(sockets=[sock])
-    except asyncio.CancelledError:
-        # Our caller owns signals and cancels us: close connections, then go.
-        server.should_exit = True
-        await server.shutdown(sockets=[sock])
-        raise
-    finally:
-        sock.close()
+    await serving.serve_on(serving.build_server(app, websockets=True), sock)

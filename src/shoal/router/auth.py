@@ -2,29 +2,11 @@
 
 from __future__ import annotations
 
-import hmac
-
 from pydantic import SecretStr
 from starlette.datastructures import Headers
 
 from shoal.router.errors import Unauthorized
-
-
-def bearer(headers: Headers) -> str | None:
-    value = headers.get("authorization")
-    if value and value[:7].lower() == "bearer ":
-        return value[7:].strip()
-    return headers.get("x-api-key")
-
-
-def matches(presented: str | None, keys: tuple[SecretStr, ...]) -> bool:
-    if presented is None:
-        return False
-    candidate = presented.encode()
-    found = False
-    for key in keys:  # compare against every key so timing says nothing about which matched
-        found |= hmac.compare_digest(candidate, key.get_secret_value().encode())
-    return found
+from shoal.security import bearer, matches
 
 
 class KeyCheck:

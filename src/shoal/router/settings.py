@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import ipaddress
+from pathlib import Path
 
 from pydantic import Field, field_validator
 
 from shoal.models.default import DEFAULT_MODEL
+from shoal.security import is_loopback, missing_keys
 from shoal.settings import CommonSettings, SecretList, split_commas
-
-
-def is_loopback(host: str) -> bool:
-    if host in {"localhost", "localhost.localdomain"}:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class RouterSettings(CommonSettings):
@@ -31,6 +23,14 @@ class RouterSettings(CommonSettings):
         (),
         description="Comma-separated keys workers must present to join. "
         "Required when listening beyond loopback.",
+    )
+    admin_key: SecretList = Field(
+        (), description="Comma-separated keys allowed to upload to the embedded model store."
+    )
+    storage: Path | None = Field(
+        None,
+        description="Also serve the GGUF files in this folder as a model store "
+        "(/api/v1/models/...), for workers and the pipeline planner.",
     )
     default_model: str = Field(
         DEFAULT_MODEL.id,
@@ -50,7 +50,7 @@ class RouterSettings(CommonSettings):
         3, ge=1, description="Missed heartbeats after which a worker is dropped."
     )
 
-    _split_api = field_validator("api_key", "gpu_key", mode="before")(split_commas)
+    _split_api = field_validator("api_key", "gpu_key", "admin_key", mode="before")(split_commas)
 
     @property
     def heartbeat_timeout(self) -> float:
@@ -62,16 +62,10 @@ class RouterSettings(CommonSettings):
 
     def security_problem(self) -> str | None:
         """Why this configuration must not start, or None. Loopback may run open."""
-        if self.on_loopback:
-            return None
-        missing = [
-            flag
-            for flag, keys in (
-                ("--api-key/SHOAL_API_KEY", self.api_key),
-                ("--gpu-key/SHOAL_GPU_KEY", self.gpu_key),
-            )
-            if not keys
-        ]
+        missing = missing_keys(
+            self.host,
+            {"--api-key/SHOAL_API_KEY": self.api_key, "--gpu-key/SHOAL_GPU_KEY": self.gpu_key},
+        )
         if not missing:
             return None
         return (

@@ -10,7 +10,8 @@ import sys
 from pydantic import SecretStr
 
 from shoal.router.app import RouterConfigError, bind, serve
-from shoal.router.settings import RouterSettings, is_loopback
+from shoal.router.settings import RouterSettings
+from shoal.security import is_loopback
 from shoal.up.settings import UpSettings
 from shoal.worker.main import plan, run_worker
 from shoal.worker.settings import WorkerSettings

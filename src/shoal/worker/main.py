@@ -12,8 +12,9 @@ import aiohttp
 
 from shoal import __version__
 from shoal.llama_cpp.locate import resolve as resolve_binaries
-from shoal.models.resolve import resolve_model
-from shoal.paths import logs_dir
+from shoal.models.resolve import LocalModel, resolve_model
+from shoal.models.store_client import fetch_from_store
+from shoal.paths import logs_dir, models_dir
 from shoal.protocol.ids import ModelName, new_worker_id
 from shoal.protocol.messages import (
     PROTOCOL_VERSION,
@@ -65,7 +66,7 @@ def plan(settings: WorkerSettings, path_env: str | None) -> Plan:
         explicit=settings.llama_server_path, cache_dir=settings.cache_dir, path_env=path_env
     )
     log.info("llama-server: %s", binaries.reason)
-    local = resolve_model(settings.model, settings.cache_dir)
+    local = _local_model(settings)
     alias = settings.model_alias or local.id
     config = LlamaServerConfig(
         binary=binaries.llama_server,
@@ -86,6 +87,16 @@ def plan(settings: WorkerSettings, path_env: str | None) -> Plan:
         backend="llama-server",
     )
     return Plan(info, config)
+
+
+def _local_model(settings: WorkerSettings) -> LocalModel:
+    """``--model`` as a file on this machine: a path, the cache, or the model store."""
+    if settings.model_store is None or settings.model.lower().endswith(".gguf"):
+        return resolve_model(settings.model, settings.cache_dir)
+    key = settings.gpu_key.get_secret_value() if settings.gpu_key else None
+    dest = models_dir(settings.cache_dir) / "store"
+    path = asyncio.run(fetch_from_store(settings.model_store, settings.model, dest, api_key=key))
+    return LocalModel(id=settings.model.lower(), path=path)
 
 
 class WorkerConfigError(Exception):

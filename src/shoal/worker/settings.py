@@ -38,6 +38,11 @@ class WorkerSettings(CommonSettings):
     model: str = Field(
         DEFAULT_MODEL.id, description="Model to serve: a known model id or a path to a .gguf file."
     )
+    model_store: str | None = Field(
+        None,
+        description="Fetch --model from this model store (shoal data, or a router with "
+        "--storage) instead of the local cache; resumable. The GPU key is sent as the key.",
+    )
     model_alias: str | None = Field(
         None, description="Public model name clients use (default: the model id)."
     )

@@ -1,0 +1,183 @@
+"""The model store's HTTP API, as one ``APIRouter`` another FastAPI app can embed.
+
+Reads (registry, metadata, tensors, pull plans, file bytes) need an API key when the store has
+any (an admin key works too); uploads need an admin key and are disabled without one.
+``install`` puts the routes, the store and its keys on an app.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import anyio.to_thread
+import orjson
+from fastapi import APIRouter, FastAPI, Query, Request
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
+
+from shoal.data import errors
+from shoal.data.http_range import file_response
+from shoal.data.keys import StoreKeys
+from shoal.data.pull_plan import total_bytes
+from shoal.data.settings import DEFAULT_MAX_UPLOAD_BYTES
+from shoal.data.store import ModelStore
+from shoal.models.gguf_info import to_json
+from shoal.models.store_client import PullPlan
+
+log = logging.getLogger(__name__)
+
+router = APIRouter()
+
+_HIDDEN_INFO_FIELDS = ("path", "tensors")
+"""Left out of /metadata: the server's own path, and the tensor table (it has its own route)."""
+
+
+@dataclass(frozen=True)
+class StoreContext:
+    store: ModelStore
+    keys: StoreKeys
+    max_upload_bytes: int
+
+
+def install(
+    app: FastAPI,
+    store: ModelStore,
+    *,
+    read_keys: tuple[SecretStr, ...] = (),
+    admin_keys: tuple[SecretStr, ...] = (),
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
+) -> None:
+    """Serve ``store`` from ``app``: its routes, its keys, and its errors as JSON.
+
+    Call it on the FastAPI app itself, before any ASGI wrapper goes around it.
+    """
+    app.state.model_store = StoreContext(store, StoreKeys(read_keys, admin_keys), max_upload_bytes)
+    errors.install(app)
+    app.include_router(router)
+
+
+def _context(request: Request) -> StoreContext:
+    ctx: StoreContext = request.app.state.model_store
+    return ctx
+
+
+def _reader(request: Request) -> ModelStore:
+    ctx = _context(request)
+    ctx.keys.check_read(request.headers)
+    return ctx.store
+
+
+def _json(payload: object, status: int = 200) -> Response:
+    return Response(orjson.dumps(payload), status_code=status, media_type="application/json")
+
+
+def _registry(store: ModelStore) -> list[dict[str, object]]:
+    return [store.registry_entry(m).model_dump() for m in store.models()]
+
+
+@router.get("/api/v1/models/registry")
+async def registry(request: Request) -> Response:
+    """Every model in the store, with its size, sha256 and structure."""
+    store = _reader(request)
+    data = await anyio.to_thread.run_sync(_registry, store)
+    return _json({"object": "list", "data": data})
+
+
+def _metadata(store: ModelStore, model_id: str) -> dict[str, object]:
+    model = store.get(model_id)
+    info = to_json(store.info(model))
+    shown = {k: v for k, v in info.items() if k not in _HIDDEN_INFO_FIELDS}
+    return {"id": model.id, "filename": model.filename, **shown}
+
+
+@router.get("/api/v1/models/{model_id}/metadata")
+async def metadata(request: Request, model_id: str) -> Response:
+    """The GGUF structure: hyperparameters, key/values, layer byte ranges (no tensor table)."""
+    store = _reader(request)
+    return _json(await anyio.to_thread.run_sync(_metadata, store, model_id))
+
+
+def _tensors(store: ModelStore, model_id: str) -> dict[str, object]:
+    model = store.get(model_id)
+    return {"object": "list", "id": model.id, "data": to_json(store.info(model))["tensors"]}
+
+
+@router.get("/api/v1/models/{model_id}/tensors")
+async def tensors(request: Request, model_id: str) -> Response:
+    """Every tensor: name, ggml type, shape, absolute data offset, size, layer."""
+    store = _reader(request)
+    return _json(await anyio.to_thread.run_sync(_tensors, store, model_id))
+
+
+class PullRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    layers: tuple[int, int] = Field(description="[first, last] layer to run, both inclusive.")
+
+
+def _pull(store: ModelStore, model_id: str, first: int, last: int) -> dict[str, object]:
+    model = store.get(model_id)
+    ranges = store.layer_ranges(model.id, first, last)
+    plan = PullPlan(
+        id=model.id,
+        size=model.size,
+        sha256=store.sha256(model),
+        file_url=f"/api/v1/models/{model.id}/file",
+        ranges=ranges,
+        total_bytes=total_bytes(ranges),
+    )
+    return plan.model_dump(mode="json", by_alias=True)
+
+
+@router.post("/api/v1/models/{model_id}/pull")
+async def pull(request: Request, model_id: str, body: PullRequest) -> Response:
+    """The byte ranges of the file that layers [first, last] need; fetch them with Range."""
+    store = _reader(request)
+    first, last = body.layers
+    return _json(await anyio.to_thread.run_sync(_pull, store, model_id, first, last))
+
+
+@router.api_route("/api/v1/models/{model_id}/file", methods=["GET", "HEAD"])
+async def model_file(request: Request, model_id: str) -> Response:
+    """The GGUF file, whole or one byte range (ETag: its sha256)."""
+    store = _reader(request)
+    opened = await store.open_file(model_id)
+    return file_response(
+        opened,
+        head=request.method == "HEAD",
+        range_header=request.headers.get("range"),
+        if_range=request.headers.get("if-range"),
+    )
+
+
+@router.post("/api/v1/storage/upload", status_code=201)
+async def upload(
+    request: Request,
+    model_id: str = Query(alias="id", description="Id of the model (its file is ID.gguf)."),
+    sha256: str = Query(description="sha256 of the file, checked before it is kept."),
+    overwrite: bool = Query(False, description="Replace a model with the same id."),
+) -> Response:
+    """Store a GGUF file sent as the raw request body (not multipart)."""
+    ctx = _context(request)
+    ctx.keys.check_admin(request.headers)
+    try:
+        model = await ctx.store.upload(
+            model_id,
+            sha256,
+            request.stream(),
+            overwrite=overwrite,
+            declared_size=_content_length(request),
+            max_bytes=ctx.max_upload_bytes,
+        )
+    except ClientDisconnect:
+        log.info("upload of %s: the client disconnected; nothing was kept", model_id)
+        raise errors.BadRequest("The upload was interrupted; nothing was kept.") from None
+    digest = await anyio.to_thread.run_sync(ctx.store.sha256, model)
+    return _json({"id": model.id, "size": model.size, "sha256": digest}, status=201)
+
+
+def _content_length(request: Request) -> int | None:
+    value = request.headers.get("content-length")
+    return int(value) if value and value.isdigit() else None

@@ -8,33 +8,14 @@ for the store's own app.
 
 from __future__ import annotations
 
-import logging
+from fastapi import FastAPI
 
-import orjson
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import Response
-
-log = logging.getLogger(__name__)
+from shoal import api_errors
+from shoal.api_errors import ApiError
 
 
-class DataError(Exception):
-    status = 500
-    type = "server_error"
-    code: str | None = None
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.headers = headers or {}
+class DataError(ApiError):
+    """Everything the model store refuses."""
 
 
 class BadRequest(DataError):
@@ -98,32 +79,9 @@ class UnreadableModel(DataError):
     code = "unreadable_model"
 
 
-def error_payload(exc: DataError) -> dict[str, object]:
-    return {
-        "error": {
-            "message": exc.message,
-            "type": exc.type,
-            "param": exc.param,
-            "code": exc.code,
-        }
-    }
-
-
-def error_response(exc: DataError) -> Response:
-    return Response(
-        orjson.dumps(error_payload(exc)),
-        status_code=exc.status,
-        media_type="application/json",
-        headers=exc.headers,
-    )
-
-
 def install(app: FastAPI) -> None:
     """Translate ``DataError`` (only) into OpenAI-style JSON on ``app``."""
-
-    @app.exception_handler(DataError)
-    async def _data_error(request: Request, exc: DataError) -> Response:
-        return error_response(exc)
+    api_errors.install(app, DataError)
 
 
 _UNKNOWN_PATH = (
@@ -136,28 +94,4 @@ _UNKNOWN_PATH = (
 def install_all(app: FastAPI) -> None:
     """``install``, plus unknown paths, bad requests and unexpected errors as JSON too."""
     install(app)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        if exc.status_code == 404:
-            message = _UNKNOWN_PATH.format(path=request.url.path)
-        elif exc.status_code == 405:
-            message = f"Method {request.method} is not allowed on {request.url.path}."
-        else:
-            message = str(exc.detail)
-        err = DataError(message)
-        err.status = exc.status_code
-        err.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        err.code = "not_found" if exc.status_code == 404 else None
-        return error_response(err)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query"))
-        return error_response(BadRequest(f"{loc}: {first.get('msg', 'invalid')}", param=loc))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(DataError("Internal error in the model store; see its log."))
+    api_errors.install_fallbacks(app, unknown_path=_UNKNOWN_PATH, server="the model store")

@@ -116,10 +116,7 @@ class JobResponse(Response):
 
 
 def _error_event(error: ErrorBody) -> bytes:
-    exc = RouterError(error.message)
-    exc.type = error.type
-    exc.code = None if error.code is None else str(error.code)
-    return orjson.dumps(error_payload(exc))
+    return orjson.dumps(error_payload(UpstreamError(500, error)))
 
 
 async def _watch_disconnect(receive: Receive) -> None:

@@ -1,0 +1,103 @@
+"""Errors every Shoal server answers with, and the one place they become OpenAI-style JSON.
+
+Each server (router, model store) subclasses ``ApiError`` for what it can refuse and calls
+``install_fallbacks`` so unknown paths, bad bodies and unexpected exceptions are JSON too:
+a client never sees a stack trace.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after: float | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        self.param = param
+        self.headers = dict(headers or {})
+        if retry_after is not None:
+            self.headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
+
+
+class BadRequest(ApiError):
+    status = 400
+    type = "invalid_request_error"
+
+
+def error_payload(exc: ApiError) -> dict[str, object]:
+    return {
+        "error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}
+    }
+
+
+def error_response(exc: ApiError) -> Response:
+    return Response(
+        orjson.dumps(error_payload(exc)),
+        status_code=exc.status,
+        media_type="application/json",
+        headers=exc.headers,
+    )
+
+
+def install(app: FastAPI, base: type[ApiError] = ApiError) -> None:
+    """Answer ``base`` errors (only) as JSON on ``app``."""
+
+    @app.exception_handler(base)
+    async def _api_error(request: Request, exc: ApiError) -> Response:
+        return error_response(exc)
+
+
+def install_fallbacks(app: FastAPI, *, unknown_path: str, server: str) -> None:
+    """Unknown paths and methods, invalid bodies and unexpected exceptions, as JSON.
+
+    ``unknown_path`` is a message template with ``{path}``; ``server`` names the server in
+    the 500 message ("the router", "the model store").
+    """
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            message = unknown_path.format(path=request.url.path)
+        elif exc.status_code == 405:
+            message = f"Method {request.method} is not allowed on {request.url.path}."
+        else:
+            message = str(exc.detail)
+        err = ApiError(message, code="not_found" if exc.status_code == 404 else None)
+        err.status = exc.status_code
+        err.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query"))
+        return error_response(BadRequest(f"{loc}: {first.get('msg', 'invalid')}", param=loc))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(ApiError(f"Internal error in {server}; see its log."))

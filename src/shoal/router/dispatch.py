@@ -40,21 +40,30 @@ RETRY_AFTER_QUEUE_FULL_S = 2.0
 RETRY_AFTER_NO_WORKER_S = 5.0
 
 
+def queue_key(job: Job) -> tuple[ModelName, Endpoint]:
+    return (job.model, job.endpoint)
+
+
 class Dispatcher:
     def __init__(self, settings: RouterSettings, registry: Registry) -> None:
         self.settings = settings
         self.registry = registry
-        self.queue: MemoryQueue[Job] = MemoryQueue(settings.max_queue)
+        # One FIFO per (model, endpoint): a queued embeddings job never holds up chat jobs.
+        self.queue: MemoryQueue[Job] = MemoryQueue(settings.max_queue, key=queue_key)
         self._where: dict[JobId, WorkerConnection] = {}
 
     # ------------------------------------------------------------ client side
+
+    def queued(self, model: ModelName) -> int:
+        """Requests waiting for ``model``, over all its endpoints."""
+        return sum(self.queue.depth((model, endpoint)) for endpoint in Endpoint)
 
     def submit(
         self, model: ModelName, endpoint: Endpoint, stream: bool, body: dict[str, Any]
     ) -> Job:
         self._check_served(model, endpoint)
         job = Job(id=new_job_id(), model=model, endpoint=endpoint, stream=stream, body=body)
-        if self.queue.depth(model) == 0 and self._try_assign(job):
+        if self.queue.depth(queue_key(job)) == 0 and self._try_assign(job):
             return job
         try:
             self.queue.push(job)
@@ -64,7 +73,8 @@ class Dispatcher:
                 f"({self.settings.max_queue}); retry later or add workers.",
                 retry_after=RETRY_AFTER_QUEUE_FULL_S,
             ) from None
-        log.info("job %s model=%s queued (depth %d)", job.id, model, self.queue.depth(model))
+        depth = self.queue.depth(queue_key(job))
+        log.info("job %s model=%s queued (depth %d)", job.id, model, depth)
         return job
 
     def _check_served(self, model: ModelName, endpoint: Endpoint) -> None:
@@ -157,10 +167,10 @@ class Dispatcher:
         return True
 
     def pump(self) -> None:
-        """Hand queued jobs to workers with free slots, oldest first per model."""
-        for model in list(self.queue.models()):
-            while (job := self.queue.peek(model)) is not None and self._try_assign(job):
-                self.queue.pop(model)
+        """Hand queued jobs to workers with free slots, oldest first per (model, endpoint)."""
+        for key in self.queue.waiting_keys():
+            while (job := self.queue.peek(key)) is not None and self._try_assign(job):
+                self.queue.pop(key)
 
     def _release(self, job: Job) -> WorkerConnection | None:
         worker = self._where.pop(job.id, None)

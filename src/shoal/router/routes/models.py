@@ -30,7 +30,7 @@ def _model_entry(request: Request, name: str) -> dict[str, object]:
         "ready_workers": ready,
         "endpoints": endpoints,
         "context_length": ctx_len,
-        "queued": ctx.dispatcher.queue.depth(ModelName(name)),
+        "queued": ctx.dispatcher.queued(ModelName(name)),
     }
 
 

@@ -1,0 +1,75 @@
+"""The dispatcher on its own: real registry and worker connections, no sockets."""
+
+from __future__ import annotations
+
+from shoal.protocol.ids import ModelName, WorkerId
+from shoal.protocol.messages import (
+    PROTOCOL_VERSION,
+    BackendState,
+    Endpoint,
+    Hardware,
+    JobStart,
+    ModelInfo,
+    Register,
+    decode_router_message,
+)
+from shoal.router.dispatch import Dispatcher
+from shoal.router.jobs import JobState
+from shoal.router.settings import RouterSettings
+from shoal.router.workers import ConnState, Registry, WorkerConnection
+
+M = ModelName("smol")
+HW = Hardware(hostname="h", os="linux", cpu_count=2, ram_total_bytes=1, ram_available_bytes=1)
+
+
+def connect(dispatcher: Dispatcher, name: str, endpoints: tuple[Endpoint, ...]) -> WorkerConnection:
+    worker = WorkerConnection.from_register(
+        Register(
+            protocol_version=PROTOCOL_VERSION,
+            worker_id=WorkerId(name),
+            name=name,
+            hardware=HW,
+            models=(ModelInfo(name=M, endpoints=endpoints),),
+            slots=1,
+            state=BackendState.READY,
+        ),
+        peer="test",
+    )
+    worker.move(ConnState.ACTIVE, "test")
+    dispatcher.on_registered(worker)
+    return worker
+
+
+def started(worker: WorkerConnection) -> list[str]:
+    out = []
+    while not worker.outbox.empty():
+        msg = decode_router_message(worker.outbox.get_nowait())
+        if isinstance(msg, JobStart):
+            out.append(msg.job_id)
+    return out
+
+
+def test_a_waiting_embeddings_job_does_not_hold_up_chat() -> None:
+    dispatcher = Dispatcher(RouterSettings(), Registry())
+    chat = connect(dispatcher, "chat", (Endpoint.CHAT, Endpoint.COMPLETIONS))
+    embed = connect(dispatcher, "embed", (Endpoint.EMBEDDINGS,))
+    first = dispatcher.submit(M, Endpoint.EMBEDDINGS, False, {"input": "a"})
+    waiting = dispatcher.submit(M, Endpoint.EMBEDDINGS, False, {"input": "b"})
+    answer = dispatcher.submit(M, Endpoint.CHAT, True, {"messages": []})
+    assert first.state is JobState.ASSIGNED and first.worker_id == "embed"
+    assert waiting.state is JobState.QUEUED
+    assert answer.state is JobState.ASSIGNED and answer.worker_id == "chat"
+    assert started(embed) == [first.id] and started(chat) == [answer.id]
+    assert dispatcher.queued(M) == 1
+
+
+def test_lost_worker_requeues_unstarted_jobs_at_the_head() -> None:
+    dispatcher = Dispatcher(RouterSettings(), Registry())
+    doomed = connect(dispatcher, "doomed", (Endpoint.CHAT,))
+    held = dispatcher.submit(M, Endpoint.CHAT, True, {"messages": []})
+    later = dispatcher.submit(M, Endpoint.CHAT, True, {"messages": []})
+    dispatcher.on_lost(doomed, "test")
+    assert held.state is JobState.QUEUED and held.requeues == 1
+    rescuer = connect(dispatcher, "rescuer", (Endpoint.CHAT,))
+    assert started(rescuer) == [held.id]  # the re-queued job goes first
+    assert later.state is JobState.QUEUED

@@ -87,16 +87,11 @@ def add_settings_flags(
                 help=help_text,
             )
         else:
-            metavar = (
-                (info.json_schema_extra or {}).get("metavar")
-                if isinstance(info.json_schema_extra, dict)
-                else None
-            )
             group.add_argument(
                 _flag(name),
                 dest=name,
                 default=argparse.SUPPRESS,
-                metavar=str(metavar or name.upper()),
+                metavar=name.upper(),
                 help=help_text,
             )
 

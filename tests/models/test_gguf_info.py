@@ -19,12 +19,12 @@ from shoal.models.errors import ModelError
 from shoal.models.gguf_info import (
     MIB,
     GGUFInfo,
-    describe,
     inspect,
     kv_bytes_per_token,
     memory_estimate,
     to_json,
 )
+from shoal.models.gguf_report import describe
 from shoal.models.resolve import resolve_model
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0

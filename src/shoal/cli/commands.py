@@ -157,7 +157,8 @@ def models_pull(args: argparse.Namespace) -> int:
 
 
 def models_inspect(args: argparse.Namespace) -> int:
-    from shoal.models.gguf_info import describe, inspect, to_json
+    from shoal.models.gguf_info import inspect, to_json
+    from shoal.models.gguf_report import describe
     from shoal.models.resolve import resolve_model
 
     settings = _settings(ModelsSettings, args)

@@ -8,12 +8,12 @@ from pathlib import Path
 
 from shoal.models.default import KNOWN_MODELS
 from shoal.models.errors import ModelError
+from shoal.models.gguf_info import check_magic
 from shoal.models.pypi import cached_model, ensure_model
 
 logger = logging.getLogger(__name__)
 
 GGUF_SUFFIX = ".gguf"
-GGUF_MAGIC = b"GGUF"
 
 
 @dataclass(frozen=True)
@@ -57,13 +57,7 @@ def _from_file(path: Path) -> LocalModel:
             f"model file {path} does not exist. Pass an existing {GGUF_SUFFIX} file or a "
             f"known model name ({', '.join(sorted(KNOWN_MODELS))})."
         )
-    with path.open("rb") as f:
-        magic = f.read(len(GGUF_MAGIC))
-    if magic != GGUF_MAGIC:
-        raise ModelError(
-            f"{path} is not a GGUF file (it does not start with {GGUF_MAGIC!r}). "
-            "llama.cpp loads only GGUF models; convert it with llama.cpp's convert scripts."
-        )
+    check_magic(path)
     local = LocalModel(id=path.stem.lower(), path=path.absolute())
     logger.info("model %s from file %s", local.id, local.path)
     return local

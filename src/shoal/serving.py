@@ -1,12 +1,16 @@
 """Serving an ASGI app the way every Shoal server does: socket bound first, uvicorn quiet,
-signals owned by the process's composition root, cancellation closing connections."""
+signals owned by the process's composition root, cancellation closing connections, and TLS
+(HTTPS and WSS) when given a certificate and key."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import socket
-from collections.abc import Generator
+import ssl
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from pathlib import Path
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -18,6 +22,63 @@ GRACEFUL_SHUTDOWN_S = 5
 
 class BindError(Exception):
     pass
+
+
+class TlsError(Exception):
+    """The certificate or key cannot serve TLS; the message says which file and why."""
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """A PEM certificate (chain) and its private key; both may be the same file."""
+
+    cert: Path
+    key: Path
+
+
+_PEM_MARKERS = (("certificate", b"-----BEGIN CERTIFICATE-----"), ("key", b"PRIVATE KEY-----"))
+
+
+class _EncryptedKey(Exception):
+    pass
+
+
+def _no_password() -> str:
+    raise _EncryptedKey  # instead of OpenSSL asking for a pass phrase on the terminal
+
+
+def server_tls_context(tls: TlsFiles) -> ssl.SSLContext:
+    """A TLS server context for ``tls``; ``TlsError`` naming the file and the fix otherwise."""
+    for (what, marker), path in zip(_PEM_MARKERS, (tls.cert, tls.key), strict=True):
+        try:
+            text = path.read_bytes()
+        except OSError as exc:
+            raise TlsError(f"cannot read the TLS {what} {path}: {exc.strerror}") from None
+        if marker not in text:
+            raise TlsError(
+                f"the TLS {what} {path} is not a PEM {what} (no {marker.decode()!r} line); "
+                f"give --tls-cert the certificate and --tls-key its private key, both as PEM."
+            )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(tls.cert, tls.key, password=_no_password)
+    except _EncryptedKey:
+        raise TlsError(
+            f"the TLS key {tls.key} is protected by a pass phrase; give a key without one "
+            f"(openssl pkey -in {tls.key} -out key.pem) and keep that file private."
+        ) from None
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise TlsError(
+                f"the TLS key {tls.key} does not belong to the certificate {tls.cert}; "
+                "give the private key the certificate was issued for."
+            ) from None
+        raise TlsError(
+            f"cannot serve TLS with the certificate {tls.cert} and key {tls.key}: "
+            f"{exc.reason or exc}"
+        ) from None
+    return context
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -43,7 +104,27 @@ class _Server(uvicorn.Server):
         yield
 
 
-def build_server(app: ASGIApp, *, websockets: bool = False) -> uvicorn.Server:
+ContextFactory = Callable[[uvicorn.Config, Callable[[], ssl.SSLContext]], ssl.SSLContext]
+
+
+def _context_factory(context: ssl.SSLContext) -> ContextFactory:
+    """uvicorn's hook for a ready-made context (it would otherwise load the files again)."""
+
+    def factory(config: uvicorn.Config, default: Callable[[], ssl.SSLContext]) -> ssl.SSLContext:
+        return context
+
+    return factory
+
+
+def build_server(
+    app: ASGIApp, *, websockets: bool = False, tls: TlsFiles | None = None
+) -> uvicorn.Server:
+    """A quiet uvicorn server for ``app``; HTTPS (and WSS) with ``tls``.
+
+    The certificate and key are loaded here, so a bad one is a ``TlsError`` before anything
+    is served, not a traceback on the first connection.
+    """
+    factory = None if tls is None else _context_factory(server_tls_context(tls))
     config = uvicorn.Config(
         app,
         log_level="warning",
@@ -56,6 +137,7 @@ def build_server(app: ASGIApp, *, websockets: bool = False) -> uvicorn.Server:
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         timeout_keep_alive=KEEP_ALIVE_S,
         lifespan="off",
+        ssl_context_factory=factory,
     )
     return _Server(config)
 

@@ -9,11 +9,12 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from cluster import GPU_KEY, Cluster, Router
+from shoal.protocol.messages import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.e2e
 
 
-def _register(version: int = 1, worker_id: str = "raw-1") -> str:
+def _register(version: int = PROTOCOL_VERSION, worker_id: str = "raw-1") -> str:
     return json.dumps(
         {
             "type": "register",

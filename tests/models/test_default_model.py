@@ -227,10 +227,12 @@ def test_resolve_model_without_download_says_to_pull(tmp_path: Path) -> None:
         resolve_model(DEFAULT_MODEL.id, tmp_path / "empty-cache", download=False)
 
 
-def test_resolve_model_unknown_id_lists_known_ids(tmp_path: Path) -> None:
+def test_resolve_model_unknown_id_says_where_to_look(tmp_path: Path) -> None:
     with pytest.raises(ModelError) as caught:
         resolve_model("gpt-17", tmp_path / "cache")
-
     message = str(caught.value)
-    assert DEFAULT_MODEL.id in message
-    assert ".gguf" in message
+    assert "shoal models list" in message and ".gguf" in message
+
+    with pytest.raises(ModelError) as near:
+        resolve_model("smollm2-99m", tmp_path / "cache")
+    assert DEFAULT_MODEL.id in str(near.value), "a near miss names the catalog's similar ids"

@@ -90,3 +90,38 @@ def test_fast_chunk_decoding_rejects_what_the_model_rejects(frame: bytes) -> Non
         decode_chunk_items(frame)
     with pytest.raises(ValidationError):
         decode_worker_message(frame)
+
+
+def test_hardware_models_and_memory_messages_round_trip() -> None:
+    from shoal.protocol.ids import WorkerId
+    from shoal.protocol.messages import (
+        BackendState,
+        GpuInfo,
+        Hardware,
+        Heartbeat,
+        ModelInfo,
+        ModelsChanged,
+        Registered,
+    )
+
+    gpu = GpuInfo(index=1, name="NVIDIA A10", accelerator="cuda", memory_total_bytes=24 << 30)
+    hw = Hardware(
+        hostname="h",
+        os="Linux",
+        cpu_count=8,
+        ram_total_bytes=1,
+        ram_available_bytes=1,
+        accelerator="cuda",
+        gpus=(gpu,),
+    )
+    assert Hardware.model_validate_json(hw.model_dump_json()) == hw
+    beat = Heartbeat(
+        state=BackendState.UNLOADED, running_jobs=0, ram_available_bytes=5, gpu_free_bytes=(7, None)
+    )
+    models = ModelsChanged(models=(ModelInfo(name=ModelName("m"), endpoints=(Endpoint.CHAT,)),))
+    for msg in (beat, models):
+        assert decode_worker_message(encode(msg)) == msg
+    reg = Registered(
+        worker_id=WorkerId("w"), heartbeat_interval_s=1, router_version="x", default_model="m"
+    )
+    assert decode_router_message(encode(reg)) == reg

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from shoal.protocol.ids import ModelName, WorkerId
+from shoal.protocol.ids import JobId, ModelName, WorkerId
 from shoal.protocol.messages import (
     PROTOCOL_VERSION,
     BackendState,
     Endpoint,
     Hardware,
+    JobCancel,
     JobStart,
     ModelInfo,
     Register,
+    RunningJob,
     decode_router_message,
 )
 from shoal.router.dispatch import Dispatcher
@@ -73,3 +75,23 @@ def test_lost_worker_requeues_unstarted_jobs_at_the_head() -> None:
     rescuer = connect(dispatcher, "rescuer", (Endpoint.CHAT,))
     assert started(rescuer) == [held.id]  # the re-queued job goes first
     assert later.state is JobState.QUEUED
+
+
+def test_jobs_a_worker_still_runs_from_a_lost_connection_are_cancelled() -> None:
+    """The in-process queue ended them when the connection dropped: nothing to resume."""
+    dispatcher = Dispatcher(RouterSettings(), Registry())
+    worker = WorkerConnection.from_register(
+        Register(
+            protocol_version=PROTOCOL_VERSION,
+            worker_id=WorkerId("w"),
+            name="w",
+            hardware=HW,
+            models=(ModelInfo(name=M, endpoints=(Endpoint.CHAT,)),),
+            slots=1,
+            state=BackendState.READY,
+        ),
+        peer="test",
+    )
+    worker.move(ConnState.ACTIVE, "test")
+    dispatcher.on_registered(worker, (RunningJob(job_id=JobId("j1"), attempt=1),))
+    assert decode_router_message(worker.outbox.get_nowait()) == JobCancel(job_id=JobId("j1"))

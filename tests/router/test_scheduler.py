@@ -22,8 +22,9 @@ def w(
     ready: bool = True,
     models: frozenset[tuple[ModelName, Endpoint]] = SERVES_M,
     last: float = 0.0,
+    loaded: bool = True,
 ) -> WorkerLoad:
-    return WorkerLoad(WorkerId(id_), ready, models, slots, running, last)
+    return WorkerLoad(WorkerId(id_), ready, models, slots, running, last, loaded)
 
 
 @pytest.mark.parametrize(
@@ -40,6 +41,9 @@ def w(
         ([w("a", last=5.0), w("b", last=3.0)], "b"),  # tie: idle the longest
         ([w("b"), w("a")], "a"),  # full tie: by id, whatever the order
         ([w("a", running=4), w("b", ready=False), w("c", running=3)], "c"),
+        ([w("a", loaded=False)], "a"),  # unloaded after idling: takes the job and loads
+        ([w("a", loaded=False), w("b", running=3)], "b"),  # loaded beats idle-unloaded
+        ([w("a", loaded=False), w("b", running=4)], "a"),  # unless the loaded one is full
     ],
 )
 def test_pick_worker_table(workers: list[WorkerLoad], expected: str | None) -> None:
@@ -53,6 +57,7 @@ loads = st.builds(
     slots=st.integers(1, 8),
     ready=st.booleans(),
     last=st.floats(0, 100),
+    loaded=st.booleans(),
 )
 
 
@@ -65,5 +70,8 @@ def test_pick_worker_properties(workers: list[WorkerLoad]) -> None:
         return
     picked = next(x for x in workers if x.id == chosen)
     assert picked in eligible
+    if any(x.loaded for x in eligible):
+        assert picked.loaded, "a loaded worker is always preferred to an unloaded one"
+        eligible = [x for x in eligible if x.loaded]
     assert picked.running / picked.slots == min(x.running / x.slots for x in eligible)
     assert pick_worker(list(reversed(workers)), M, CHAT) == chosen

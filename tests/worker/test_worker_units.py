@@ -7,13 +7,14 @@ import asyncio
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from shoal.protocol.ids import JobId
 from shoal.protocol.messages import JobDone, decode_worker_message
 from shoal.worker.backend import error_from_body, sse_data
 from shoal.worker.backoff import Backoff
 from shoal.worker.outbox import Outbox, frames
-from shoal.worker.settings import router_ws_url
+from shoal.worker.settings import WorkerSettings, router_ws_url
 
 
 @given(st.integers(0, 50), st.floats(0, 1))
@@ -21,6 +22,19 @@ def test_backoff_is_bounded_and_jittered(attempt: int, draw: float) -> None:
     b = Backoff(base=0.5, factor=2, cap=30)
     ceiling = min(30, 0.5 * 2**attempt)
     assert ceiling / 2 <= b.delay(attempt, draw) <= ceiling
+
+
+def test_failover_tries_every_router_before_backing_off() -> None:
+    b = Backoff(base=1, factor=2, cap=30)
+    assert [b.failover_delay(n, 1, draw=1.0) for n in range(3)] == [1, 2, 4]
+    assert [b.failover_delay(n, 3, draw=1.0) for n in range(7)] == [0, 0, 1, 0, 0, 2, 0]
+
+
+def test_several_router_urls() -> None:
+    settings = WorkerSettings(router_url="10.0.0.5:8000, wss://r.example")
+    assert settings.ws_urls == ("ws://10.0.0.5:8000/ws/worker", "wss://r.example/ws/worker")
+    with pytest.raises(ValidationError, match="at least one router URL"):
+        WorkerSettings(router_url=" , ")
 
 
 @pytest.mark.parametrize(

@@ -10,5 +10,5 @@ FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 
 def setup(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=FORMAT, stream=sys.stderr, force=True)
-    for noisy in ("websockets", "aiohttp.access", "uvicorn.error", "httpx"):
+    for noisy in ("websockets", "aiohttp.access", "uvicorn.error", "httpx", "httpx2", "filelock"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))

@@ -9,6 +9,10 @@ from collections.abc import Callable, Sequence
 
 from shoal import __version__
 from shoal.cli import commands
+from shoal.cli import keys as keys_cli
+from shoal.cli import models as models_cli
+from shoal.cli import service as service_cli
+from shoal.cli.errors import UserError
 from shoal.data.settings import DataSettings
 from shoal.router.settings import RouterSettings
 from shoal.settings import add_settings_flags
@@ -47,15 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
         add("router", "Run the router: the OpenAI-compatible front door.", commands.router),
         RouterSettings,
     )
-    add_settings_flags(
-        add("worker", "Run a worker that dials out to a router.", commands.worker), WorkerSettings
-    )
+    worker = add("worker", "Run a worker that dials out to a router.", commands.worker)
+    add_settings_flags(worker, WorkerSettings)
+    service_cli.add_commands(worker)
     add_settings_flags(
         add("data", "Run a model store that serves GGUF files to workers.", commands.data),
         DataSettings,
     )
 
-    llama = add("llama-cpp", "Find or build the llama.cpp binaries.", commands.llama_cpp_help)
+    llama = add("llama-cpp", "Find or build the llama.cpp binaries.", commands.help_)
     llama_sub = llama.add_subparsers(dest="llama_command", metavar="ACTION", required=True)
     for action, text, handler in (
         (
@@ -65,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         (
             "install",
-            "Build llama-server and ggml-rpc-server from the pinned source if needed.",
+            "Get llama-server and ggml-rpc-server: the pinned release, else a build from source.",
             commands.llama_cpp_install,
         ),
     ):
@@ -73,24 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(handler=handler)
         add_settings_flags(p, commands.LlamaCppSettings)
 
-    models = add("models", "Manage local models.", commands.llama_cpp_help)
+    models = add("models", "The model catalog and this machine's model cache.", commands.help_)
     models_sub = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
-    pull = models_sub.add_parser("pull", help="Download and verify a model into the cache.")
-    pull.add_argument(
-        "model", nargs="?", default=None, help="model id (default: the default model)"
-    )
-    pull.set_defaults(handler=commands.models_pull)
-    add_settings_flags(pull, commands.ModelsSettings)
-    inspect = models_sub.add_parser(
-        "inspect",
-        help="Show a GGUF file's metadata, layers and memory estimate.",
-        description="Show a GGUF file's metadata, per-layer byte ranges and memory estimate.",
-    )
-    inspect.add_argument("model", help="path of a .gguf file, or a downloaded model id")
-    inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
-    inspect.add_argument("--tensors", action="store_true", help="also list every tensor")
-    inspect.set_defaults(handler=commands.models_inspect)
-    add_settings_flags(inspect, commands.ModelsSettings)
+    models_cli.add_commands(models_sub)
+    keys_cli.add_commands(sub)
     return parser
 
 
@@ -100,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Handler = args.handler
     try:
         return handler(args)
-    except commands.UserError as exc:
+    except UserError as exc:
         print(f"shoal: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -6,12 +6,21 @@ The key rules (``bearer``, ``matches``) are every Shoal server's, from ``shoal.s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from pydantic import SecretStr
 from starlette.datastructures import Headers
 
 from shoal.data.errors import Unauthorized, UploadsDisabled
 from shoal.security import bearer, matches
+
+
+class StoreAccess(Protocol):
+    """Who may read and who may write; raises the store's errors when refused."""
+
+    async def check_read(self, headers: Headers) -> None: ...
+
+    async def check_admin(self, headers: Headers) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -21,7 +30,7 @@ class StoreKeys:
     read: tuple[SecretStr, ...] = ()
     admin: tuple[SecretStr, ...] = ()
 
-    def check_read(self, headers: Headers) -> None:
+    async def check_read(self, headers: Headers) -> None:
         """Raise 401 unless reads are open or the request carries an API or admin key."""
         if not self.read:
             return
@@ -34,7 +43,7 @@ class StoreKeys:
         if not (matches(presented, self.read) | matches(presented, self.admin)):
             raise Unauthorized("Incorrect API key provided. Check the store's --api-key.")
 
-    def check_admin(self, headers: Headers) -> None:
+    async def check_admin(self, headers: Headers) -> None:
         """Raise 403 when uploads are disabled, 401 without a valid admin key."""
         if not self.admin:
             raise UploadsDisabled(

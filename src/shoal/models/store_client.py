@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import ssl
 from pathlib import Path
 from typing import BinaryIO
 
@@ -66,7 +67,12 @@ class PullPlan(BaseModel):
 
 
 async def fetch_from_store(
-    base_url: str, model_id: str, dest_dir: Path, *, api_key: str | None = None
+    base_url: str,
+    model_id: str,
+    dest_dir: Path,
+    *,
+    api_key: str | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> Path:
     """Download ``model_id`` from the store at ``base_url`` into ``dest_dir``; return its path.
 
@@ -74,7 +80,7 @@ async def fetch_from_store(
     interrupted run is continued. Raises ``ModelError`` with what to do next.
     """
     base = base_url.rstrip("/")
-    async with _session(api_key) as session:
+    async with _session(api_key, tls) as session:
         entry = await _registry_entry(session, base, model_id)
         dest_dir.mkdir(parents=True, exist_ok=True)
         dest = dest_dir / Path(entry.filename).name
@@ -91,12 +97,18 @@ async def fetch_from_store(
 
 
 async def request_pull(
-    base_url: str, model_id: str, first: int, last: int, *, api_key: str | None = None
+    base_url: str,
+    model_id: str,
+    first: int,
+    last: int,
+    *,
+    api_key: str | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> PullPlan:
     """Ask the store which byte ranges layers ``first..last`` (inclusive) of a model need."""
     base = base_url.rstrip("/")
     url = f"{base}/api/v1/models/{model_id}/pull"
-    async with _session(api_key) as session:
+    async with _session(api_key, tls) as session:
         try:
             async with session.post(url, json={"layers": [first, last]}) as resp:
                 await _check(resp, base, model_id)
@@ -108,7 +120,12 @@ async def request_pull(
 
 
 async def fetch_ranges(
-    base_url: str, plan: PullPlan, dest: Path, *, api_key: str | None = None
+    base_url: str,
+    plan: PullPlan,
+    dest: Path,
+    *,
+    api_key: str | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> Path:
     """Write ``plan``'s ranges at their offsets into ``dest``, a sparse file of full size.
 
@@ -121,7 +138,7 @@ async def fetch_ranges(
     with part.open("wb") as f:
         f.truncate(plan.size)
         try:
-            async with _session(api_key) as session:
+            async with _session(api_key, tls) as session:
                 with Progress(f"Fetching layers of {plan.id}", plan.total_bytes, BYTES_UNIT) as p:
                     for start, end in plan.ranges:
                         await _fetch_range(session, base, plan, (start, end), f, p)
@@ -135,9 +152,12 @@ async def fetch_ranges(
 # Internals
 
 
-def _session(api_key: str | None) -> aiohttp.ClientSession:
+def _session(api_key: str | None, tls: ssl.SSLContext | None = None) -> aiohttp.ClientSession:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return aiohttp.ClientSession(timeout=TIMEOUT, headers=headers, raise_for_status=False)
+    connector = aiohttp.TCPConnector(ssl=tls if tls is not None else True)
+    return aiohttp.ClientSession(
+        timeout=TIMEOUT, headers=headers, raise_for_status=False, connector=connector
+    )
 
 
 async def _registry_entry(

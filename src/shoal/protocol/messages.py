@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from shoal.protocol.ids import JobId, ModelName, WorkerId
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 3
 """Bumped on any incompatible change; a router refuses workers that speak another version."""
 
 WS_PATH = "/ws/worker"
@@ -38,6 +38,8 @@ class BackendState(enum.StrEnum):
     READY = "ready"
     RESTARTING = "restarting"
     FAILED = "failed"
+    UNLOADED = "unloaded"
+    """Stopped after an idle period to free memory; the next job loads it again (and waits)."""
 
 
 class Endpoint(enum.StrEnum):
@@ -46,28 +48,55 @@ class Endpoint(enum.StrEnum):
     CHAT = "chat"
     COMPLETIONS = "completions"
     EMBEDDINGS = "embeddings"
+    IMAGE_GENERATIONS = "image_generations"
+    """txt2img: the job body is a ``shoal.protocol.images.ImageJob``."""
+    IMAGE_EDITS = "image_edits"
+    """img2img: an ``ImageJob`` with ``init_image``."""
 
     @property
     def path(self) -> str:
         return _ENDPOINT_PATHS[self]
+
+    @property
+    def is_image(self) -> bool:
+        return self in IMAGE_ENDPOINTS
 
 
 _ENDPOINT_PATHS = {
     Endpoint.CHAT: "/v1/chat/completions",
     Endpoint.COMPLETIONS: "/v1/completions",
     Endpoint.EMBEDDINGS: "/v1/embeddings",
+    Endpoint.IMAGE_GENERATIONS: "/v1/images/generations",
+    Endpoint.IMAGE_EDITS: "/v1/images/edits",
 }
+IMAGE_ENDPOINTS = frozenset({Endpoint.IMAGE_GENERATIONS, Endpoint.IMAGE_EDITS})
+TEXT_ENDPOINTS = frozenset(Endpoint) - IMAGE_ENDPOINTS
+
+
+class GpuInfo(Message):
+    """One GPU of a worker, as its vendor tool reports it."""
+
+    index: int
+    name: str
+    accelerator: str
+    """``cuda``, ``rocm``, ``metal`` or ``vulkan``: the llama.cpp backend that drives it."""
+    memory_total_bytes: int
+    memory_free_bytes: int | None = None
+    unified_memory: bool = False
 
 
 class Hardware(Message):
-    """A short summary of the worker's machine, shown to operators."""
+    """A summary of the worker's machine, shown to operators and used for placement."""
 
     hostname: str
     os: str
     cpu_count: int
     ram_total_bytes: int
     ram_available_bytes: int
-    gpus: tuple[str, ...] = ()
+    cpu_model: str = ""
+    cpu_features: tuple[str, ...] = ()
+    accelerator: str = "cpu"
+    gpus: tuple[GpuInfo, ...] = ()
 
 
 class ModelInfo(Message):
@@ -77,6 +106,9 @@ class ModelInfo(Message):
     endpoints: tuple[Endpoint, ...]
     context_length: int | None = None
     backend: str = "llama-server"
+    state: BackendState | None = None
+    """This model's own state, for a worker serving several that load and unload apart
+    (image models); None: the worker's state."""
 
 
 class ErrorBody(Message):
@@ -90,6 +122,14 @@ class ErrorBody(Message):
 # ---------------------------------------------------------------- worker -> router
 
 
+class RunningJob(Message):
+    """A job a reconnecting worker is still answering (or holds the answer of)."""
+
+    job_id: JobId
+    attempt: int = Field(ge=1)
+    """``JobStart.attempt``: a job that was run again elsewhere since is not this one."""
+
+
 class Register(Message):
     type: Literal["register"] = "register"
     protocol_version: int
@@ -101,6 +141,9 @@ class Register(Message):
     state: BackendState
     backend_url: str | None = None
     software: str = ""
+    running: tuple[RunningJob, ...] = ()
+    """Jobs started through a router this worker lost mid-answer: the new router adopts each
+    (``JobResume``) or cancels it (``JobCancel``); the worker holds their output until then."""
 
 
 class Heartbeat(Message):
@@ -108,6 +151,15 @@ class Heartbeat(Message):
     state: BackendState
     running_jobs: int
     ram_available_bytes: int
+    gpu_free_bytes: tuple[int | None, ...] = ()
+    """Free memory of each GPU in ``Hardware.gpus`` order (None where the tool cannot say)."""
+
+
+class ModelsChanged(Message):
+    """The worker's models changed (e.g. it learned the router's default model and loads it)."""
+
+    type: Literal["models"] = "models"
+    models: tuple[ModelInfo, ...]
 
 
 class StateChanged(Message):
@@ -158,8 +210,59 @@ class JobFailed(Message):
     """Nothing reached the backend's model (e.g. it was restarting): another worker may run it."""
 
 
+# ---------------------------------------------------------------- distributed inference
+
+
+class ShardRole(enum.StrEnum):
+    """A worker's part in a model split by layers (llama.cpp's RPC backend)."""
+
+    HEAD = "head"
+    """Runs ``llama-server`` with the whole GGUF and ``--rpc`` to the stages; serves requests."""
+    STAGE = "stage"
+    """Runs ``ggml-rpc-server`` (on 127.0.0.1 unless in direct mode) holding some layers."""
+
+
+class ShardState(enum.StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class DevicePlacement(Message):
+    """What llama-server put on one device, read from its load log."""
+
+    device: str
+    """``CPU`` (the head itself) or ``RPC0``, ``RPC1``...: the stages, in ``--rpc`` order."""
+    model_bytes: int
+    kv_bytes: int = 0
+
+
+class ShardStatus(Message):
+    """A shard's state changed (worker -> router)."""
+
+    type: Literal["shard"] = "shard"
+    deployment: str
+    role: ShardRole
+    state: ShardState
+    detail: str = ""
+    build: str = ""
+    """The llama.cpp build the shard runs: head and stages must run the same one."""
+    rpc_address: str | None = None
+    """A direct-mode stage: the ``host:port`` its ``ggml-rpc-server`` listens on."""
+    placement: tuple[DevicePlacement, ...] = ()
+
+
 WorkerMessage = Annotated[
-    Register | Heartbeat | StateChanged | Chunks | JobResult | JobDone | JobFailed,
+    Register
+    | Heartbeat
+    | StateChanged
+    | ModelsChanged
+    | Chunks
+    | JobResult
+    | JobDone
+    | JobFailed
+    | ShardStatus,
     Field(discriminator="type"),
 ]
 
@@ -171,6 +274,8 @@ class Registered(Message):
     worker_id: WorkerId
     heartbeat_interval_s: float
     router_version: str
+    default_model: str | None = None
+    """What a worker started without ``--model`` should serve."""
 
 
 class RefusalCode(enum.StrEnum):
@@ -195,6 +300,8 @@ class JobStart(Message):
     endpoint: Endpoint
     stream: bool
     body: dict[str, Any]
+    attempt: int = Field(1, ge=1)
+    """Which run of the job this is (a job is run again when its first worker was lost)."""
 
 
 class JobCancel(Message):
@@ -202,8 +309,84 @@ class JobCancel(Message):
     job_id: JobId
 
 
+class JobResume(Message):
+    """Go on with a job after reconnecting: send its chunks from number ``from_chunk`` on
+    (counting from 0; the ones before reached the client), then the rest as it comes."""
+
+    type: Literal["resume"] = "resume"
+    job_id: JobId
+    from_chunk: int = Field(ge=0)
+
+
+class RpcPeer(Message):
+    """How a head reaches one stage's ``ggml-rpc-server``: directly, or through the router."""
+
+    worker_id: WorkerId
+    direct: str | None = None
+    """Direct mode (trusted networks): the stage's ``host:port``."""
+    tunnel_id: str | None = None
+    tunnel_token: str | None = None
+    """The head side's secret for this tunnel (never logged)."""
+    tunnel_port: int | None = None
+    """The router's tunnel listener port (on the host the worker dials the router at)."""
+
+
+class ShardStart(Message):
+    """Take a part in a split model (router -> worker)."""
+
+    type: Literal["shard_start"] = "shard_start"
+    deployment: str
+    role: ShardRole
+    model: ModelName
+    """The public name the head serves the split model under."""
+    source: str
+    """The model file the head loads: a catalog id, a model-store id or a path."""
+    ctx_size: int = Field(ge=256)
+    slots: int = Field(1, ge=1)
+    n_gpu_layers: int = Field(0, ge=0)
+    """Head: llama-server's ``-ngl``; the first layers not offloaded stay on the head."""
+    tensor_split: tuple[float, ...] = ()
+    """Head: ``--tensor-split`` over the stages, in ``peers`` order."""
+    peers: tuple[RpcPeer, ...] = ()
+    direct: bool = False
+    """Stage: listen for the head on the worker's ``--rpc-host`` instead of 127.0.0.1."""
+
+
+class ModelControl(Message):
+    """Load or unload one of the worker's models now (``POST /api/v1/models/load``)."""
+
+    type: Literal["model_control"] = "model_control"
+    model: ModelName
+    action: Literal["load", "unload"]
+
+
+class ShardStop(Message):
+    type: Literal["shard_stop"] = "shard_stop"
+    deployment: str
+
+
+class TunnelDial(Message):
+    """Stage: connect one more head connection of a tunnel to the local ``ggml-rpc-server``."""
+
+    type: Literal["tunnel_dial"] = "tunnel_dial"
+    deployment: str
+    tunnel_id: str
+    conn_no: int
+    token: str
+    """The stage side's secret for this tunnel (never logged)."""
+    port: int
+
+
 RouterMessage = Annotated[
-    Registered | Refused | JobStart | JobCancel,
+    Registered
+    | Refused
+    | JobStart
+    | JobCancel
+    | JobResume
+    | ModelControl
+    | ShardStart
+    | ShardStop
+    | TunnelDial,
     Field(discriminator="type"),
 ]
 
@@ -278,6 +461,9 @@ __all__ = [
     "Chunks",
     "Endpoint",
     "ErrorBody",
+    "GpuInfo",
+    "IMAGE_ENDPOINTS",
+    "TEXT_ENDPOINTS",
     "Hardware",
     "Heartbeat",
     "JobCancel",
@@ -288,6 +474,7 @@ __all__ = [
     "JobStart",
     "ModelInfo",
     "ModelName",
+    "ModelsChanged",
     "Refused",
     "RefusalCode",
     "Register",

@@ -2,72 +2,238 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
+import ssl
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
 
+import redis.asyncio
+import redis.exceptions
+import uvicorn
 from fastapi import FastAPI
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp
 
 from shoal import __version__, serving
 from shoal.data import routes as data_routes
 from shoal.data.store import ModelStore
-from shoal.router import errors
-from shoal.router.auth import KeyCheck
+from shoal.keys import KeyStore, KeyStoreError, open_store
+from shoal.models.resolve import resolve_model
+from shoal.router import dashboard, errors
+from shoal.router.accounting import Accounting
+from shoal.router.async_jobs.memory_store import MemoryJobStore
+from shoal.router.async_jobs.redis_store import RedisJobStore
+from shoal.router.async_jobs.runner import dispatcher_runner
+from shoal.router.async_jobs.service import JobsService
+from shoal.router.async_jobs.store import JobStore
+from shoal.router.auth import KeyCheck, StoreAccess, describe, startup_problem
 from shoal.router.context import RouterContext
+from shoal.router.deployment_store import DeploymentStore
+from shoal.router.deployments import Deployments
 from shoal.router.dispatch import Dispatcher
-from shoal.router.routes import health, inference, models, pipeline, worker_socket
+from shoal.router.metrics import Metrics, RequestMetrics
+from shoal.router.ratelimit import MemoryRateLimiter, RateLimiter
+from shoal.router.ratelimit_redis import RedisRateLimiter
+from shoal.router.redis_dispatch import RedisDispatcher
+from shoal.router.requests import RequestLimits
+from shoal.router.result_cache import MemoryResultCache, RedisResultCache, ResultCache
+from shoal.router.routes import deployments as deployments_routes
+from shoal.router.routes import health, images, inference, models, pipeline, usage, worker_socket
+from shoal.router.routes import jobs as jobs_routes
+from shoal.router.routes import metrics as metrics_routes
 from shoal.router.settings import RouterSettings
+from shoal.router.snapshot import snapshot
+from shoal.router.tunnels import RouterTunnels
 from shoal.router.workers import Registry
 
 log = logging.getLogger(__name__)
+
+REDIS_TIMEOUT_S = 2.0
+"""Socket timeouts of the router's Redis client: an outage costs a request this much, once."""
+
+
+QUEUE_SOCKET_TIMEOUT_S = 10.0
+"""Socket timeout of the job queue's Redis client: longer than its blocking reads (2 s)."""
 
 
 class RouterConfigError(Exception):
     pass
 
 
-def build_app(settings: RouterSettings) -> ASGIApp:
-    problem = settings.security_problem()
+class RouterApi(FastAPI):
+    """FastAPI whose OpenAPI document declares the router's OpenAI-style error answers."""
+
+    def openapi(self) -> dict[str, Any]:
+        if self.openapi_schema is None:
+            self.openapi_schema = errors.document_errors(super().openapi())
+        return self.openapi_schema
+
+
+def build_app(settings: RouterSettings, store: KeyStore | None = None) -> inference.FastPath:
+    """The router's ASGI app. ``store`` is the key database (opened here when not given)."""
+    store = store or open_key_store(settings)
+    keys = KeyCheck(
+        api_keys=settings.api_key,
+        gpu_keys=settings.gpu_key,
+        admin_keys=settings.admin_key,
+        store=store,
+        open_when_keyless=settings.on_loopback,
+    )
+    problem = startup_problem(keys, settings.on_loopback, settings.host)
     if problem:
         raise RouterConfigError(problem)
     registry = Registry()
-    app = FastAPI(
+    app = RouterApi(
         title="Shoal router",
         version=__version__,
         description="OpenAI-compatible endpoint over workers that dial out.",
         docs_url=None,
         redoc_url=None,
     )
+    metrics = Metrics(lambda: snapshot(registry, dispatcher))
+    dispatcher = build_dispatcher(settings, registry, metrics)
+    shared = redis_client(settings)
     ctx = RouterContext(
         settings=settings,
         registry=registry,
-        dispatcher=Dispatcher(settings, registry),
-        keys=KeyCheck(settings.api_key, settings.gpu_key),
+        dispatcher=dispatcher,
+        keys=keys,
+        accounting=Accounting(rate_limiter(settings, shared), store, metrics),
+        store=store,
+        jobs=jobs_service(settings, shared, dispatcher),
+        cache=result_cache(settings, shared),
+        deployments=Deployments(
+            registry,
+            DeploymentStore(store.engine),
+            RouterTunnels(registry, settings.host, settings.tunnel_port, _tunnel_tls(settings)),
+            _router_model(settings),
+        ),
     )
+    dispatcher.unavailable_reason = ctx.deployments.unavailable if ctx.deployments else None
     app.state.ctx = ctx
+    app.state.metrics = metrics
+    app.state.metrics_auth = keys.admin
     errors.install(app)
-    for module in (inference, models, health, pipeline, worker_socket):
+    for module in (
+        inference,
+        images,
+        models,
+        health,
+        pipeline,
+        deployments_routes,
+        worker_socket,
+        usage,
+        metrics_routes,
+    ):
         app.include_router(module.router)
+    app.state.check_key = _key_id_of(keys)
+    assert ctx.jobs is not None
+    jobs_routes.install(
+        app, ctx.jobs, limits=RequestLimits.of(settings), default_model=settings.default_model
+    )
+    dashboard.install(app)
     if settings.storage is not None:
         try:
-            store = ModelStore(settings.storage)
+            model_store = ModelStore(settings.storage)
         except OSError as exc:
             raise RouterConfigError(
                 f"cannot use {settings.storage} as the model store: {exc.strerror}"
             ) from None
-        data_routes.install(
-            app,
-            store,
-            read_keys=settings.api_key + settings.gpu_key,  # clients and workers may read
-            admin_keys=settings.admin_key,
-        )
-    return inference.FastPath(app, ctx)
+        data_routes.install(app, model_store, access=StoreAccess(keys))
+    return inference.FastPath(RequestMetrics(app, metrics), ctx)
 
 
-def describe_security(settings: RouterSettings) -> str:
-    if settings.api_key:
-        return f"clients need one of {len(settings.api_key)} API key(s)"
-    return "no API key configured: open to anyone who can reach " + settings.host
+def _tunnel_tls(settings: RouterSettings) -> ssl.SSLContext | None:
+    """The tunnel listener speaks TLS with the router's certificate, when it has one."""
+    tls = tls_files(settings)
+    if tls is None:
+        return None
+    try:
+        return serving.server_tls_context(tls)
+    except serving.TlsError as exc:
+        raise RouterConfigError(str(exc)) from None
+
+
+def _router_model(settings: RouterSettings) -> Callable[[str], Path]:
+    """A model source -> the GGUF file the router plans with (its cache or a path)."""
+
+    def resolve(source: str) -> Path:
+        return resolve_model(source, settings.cache_dir, download=False).path
+
+    return resolve
+
+
+def open_key_store(settings: RouterSettings) -> KeyStore:
+    """The key database, migrated; a clear error when it cannot be opened."""
+    try:
+        return open_store(settings.database_url)
+    except KeyStoreError as exc:
+        raise RouterConfigError(f"cannot open the key database: {exc}") from None
+
+
+def redis_client(settings: RouterSettings) -> redis.asyncio.Redis | None:
+    """The one Redis client this router's shared state goes through (None without Redis)."""
+    if settings.redis_url is None:
+        return None
+    return redis.asyncio.Redis.from_url(
+        settings.redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
+    )
+
+
+def build_dispatcher(settings: RouterSettings, registry: Registry, metrics: Metrics) -> Dispatcher:
+    """Jobs in Redis, shared with every router on it, when there is one; else in-process."""
+    if settings.redis_url is None:
+        return Dispatcher(settings, registry, metrics)
+    queue_redis = redis.asyncio.Redis.from_url(
+        settings.redis_url,
+        socket_timeout=QUEUE_SOCKET_TIMEOUT_S,
+        socket_connect_timeout=REDIS_TIMEOUT_S,
+        # A pooled connection a Redis restart broke is replaced at once, not taken for a
+        # new outage (every queue call is idempotent; see ``redis_scripts``).
+        retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
+    )
+    return RedisDispatcher(settings, registry, queue_redis, metrics)
+
+
+def rate_limiter(settings: RouterSettings, shared: redis.asyncio.Redis | None) -> RateLimiter:
+    """Per-key limits shared through Redis when there is one, else in this process."""
+    if shared is None:
+        return MemoryRateLimiter()
+    return RedisRateLimiter(shared, settings.redis_prefix)
+
+
+def jobs_service(
+    settings: RouterSettings, shared: redis.asyncio.Redis | None, dispatcher: Dispatcher
+) -> JobsService:
+    """The async jobs API: records in Redis (seen by every router) or in this process."""
+    store: JobStore = (
+        RedisJobStore(shared, settings.redis_prefix, settings.job_ttl)
+        if shared is not None
+        else MemoryJobStore(settings.job_ttl)
+    )
+    return JobsService(store, dispatcher_runner(dispatcher), max_active=settings.job_max_active)
+
+
+def result_cache(
+    settings: RouterSettings, shared: redis.asyncio.Redis | None
+) -> ResultCache | None:
+    if not settings.cache:
+        return None
+    if shared is not None:
+        return RedisResultCache(shared, settings.redis_prefix, settings.cache_ttl)
+    return MemoryResultCache(settings.cache_max_entries, settings.cache_ttl)
+
+
+def _key_id_of(keys: KeyCheck) -> Callable[[Headers], Awaitable[str | None]]:
+    async def check(headers: Headers) -> str | None:
+        return (await keys.client(headers)).key_id
+
+    return check
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -77,17 +243,70 @@ def bind(host: str, port: int) -> socket.socket:
         raise RouterConfigError(str(exc)) from None
 
 
+def tls_files(settings: RouterSettings) -> serving.TlsFiles | None:
+    """The certificate and key to serve HTTPS and WSS with; None for plain HTTP."""
+    cert, key = settings.tls_cert, settings.tls_key
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        given, missing = ("--tls-cert", "--tls-key") if key is None else ("--tls-key", "--tls-cert")
+        raise RouterConfigError(
+            f"{given} needs {missing} too: give both (the PEM certificate and its private key) "
+            "to serve HTTPS, or neither for plain HTTP."
+        )
+    return serving.TlsFiles(cert, key)
+
+
+def build_server(settings: RouterSettings, app: ASGIApp) -> uvicorn.Server:
+    try:
+        return serving.build_server(app, websockets=True, tls=tls_files(settings))
+    except serving.TlsError as exc:
+        raise RouterConfigError(str(exc)) from None
+
+
+def _run_queue(tg: asyncio.TaskGroup, dispatcher: Dispatcher) -> asyncio.Task[None] | None:
+    """The Redis dispatcher's loops (tail, claims, leases, worker list), when there is one."""
+    if isinstance(dispatcher, RedisDispatcher):
+        return tg.create_task(dispatcher.run())
+    return None
+
+
 async def serve(settings: RouterSettings, sock: socket.socket | None = None) -> None:
     """Run the router until cancelled. Pass ``sock`` to serve an already bound socket."""
-    app = build_app(settings)
+    try:
+        app = build_app(settings)
+        server = build_server(settings, app)
+    except RouterConfigError:
+        if sock is not None:
+            sock.close()
+        raise
+    ctx = app.ctx
     sock = sock or bind(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
     log.info(
-        "router %s on http://%s:%d (%s; %s)",
+        "router %s on %s://%s:%d (%s)",
         __version__,
+        "https" if server.config.is_ssl else "http",
         host,
         port,
-        describe_security(settings),
-        "workers need a GPU key" if settings.gpu_key else "any local worker may join",
+        await asyncio.to_thread(describe, ctx.keys),
     )
-    await serving.serve_on(serving.build_server(app, websockets=True), sock)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            background = tg.create_task(ctx.store.run()) if ctx.store else None
+            queue = _run_queue(tg, ctx.dispatcher)
+            controller = tg.create_task(ctx.deployments.run()) if ctx.deployments else None
+            tunnels = ctx.deployments.tunnels if ctx.deployments else None
+            hub = tg.create_task(tunnels.serve()) if isinstance(tunnels, RouterTunnels) else None
+            assert ctx.jobs is not None
+            async with ctx.jobs.running():
+                await serving.serve_on(server, sock)
+            for task in (background, queue, controller, hub):
+                if task is not None:
+                    task.cancel()
+    finally:
+        if isinstance(ctx.dispatcher, RedisDispatcher):
+            await ctx.dispatcher.close()
+        if ctx.store is not None:
+            await asyncio.to_thread(ctx.store.close)
+        await ctx.accounting.limiter.close()

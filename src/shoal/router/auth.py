@@ -1,30 +1,200 @@
-"""Key checks for clients (API keys) and workers (GPU keys). Constant-time, never logged."""
+"""Who is calling: API keys (inference), GPU keys (workers) and admin keys (control plane).
+
+Keys come from two places: the flags (``--api-key``, ``--gpu-key``, ``--admin-key``) and the
+key database (``shoal keys create``). A scope with no key in either place is open on
+loopback; beyond loopback the router refuses to start without client and worker keys, and
+the control plane refuses every call without an admin key. Keys are compared in constant
+time and never logged; a key is named in logs by its id.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from pydantic import SecretStr
 from starlette.datastructures import Headers
 
-from shoal.router.errors import Unauthorized
+from shoal.keys import DatabaseError, KeyStore, Scope
+from shoal.router.errors import Forbidden, Unauthorized, Unavailable
+from shoal.router.ratelimit import RateLimits
 from shoal.security import bearer, matches
+
+CLIENT_SCOPES = (Scope.INFERENCE, Scope.ADMIN)
+WORKER_SCOPES = (Scope.WORKER,)
+ADMIN_SCOPES = (Scope.ADMIN,)
+
+
+@dataclass(frozen=True)
+class Principal:
+    """The caller of one request. ``key_id`` is None for open access and flag keys, which
+    have no limits and no usage record."""
+
+    key_id: str | None
+    name: str
+    limits: RateLimits | None = None
+
+    @property
+    def limited(self) -> bool:
+        return self.limits is not None and any(
+            v is not None
+            for v in (
+                self.limits.requests_per_min,
+                self.limits.tokens_per_min,
+                self.limits.max_streams,
+            )
+        )
+
+
+OPEN = Principal(None, "anonymous (no keys configured)")
+FLAG_KEY = Principal(None, "a key given by flag")
 
 
 class KeyCheck:
-    def __init__(self, api_keys: tuple[SecretStr, ...], gpu_keys: tuple[SecretStr, ...]) -> None:
+    def __init__(
+        self,
+        *,
+        api_keys: tuple[SecretStr, ...],
+        gpu_keys: tuple[SecretStr, ...],
+        admin_keys: tuple[SecretStr, ...] = (),
+        store: KeyStore | None = None,
+        open_when_keyless: bool = True,
+    ) -> None:
         self.api_keys = api_keys
         self.gpu_keys = gpu_keys
+        self.admin_keys = admin_keys
+        self.store = store
+        self.open_when_keyless = open_when_keyless
 
-    def client(self, headers: Headers) -> None:
-        """Raise 401 unless the request carries a valid API key (or none are configured)."""
-        if not self.api_keys:
-            return
-        presented = bearer(headers)
-        if presented is None:
-            raise Unauthorized("No API key given. Send it as 'Authorization: Bearer YOUR_KEY'.")
-        if not matches(presented, self.api_keys):
-            raise Unauthorized("Incorrect API key provided. Check the key you were given.")
+    async def client(self, headers: Headers) -> Principal:
+        """The caller of an inference route (an inference or admin key); 401 otherwise."""
+        return await self._check(headers, CLIENT_SCOPES, self.api_keys + self.admin_keys, "API")
 
-    def worker(self, headers: Headers) -> bool:
-        if not self.gpu_keys:
+    async def admin(self, headers: Headers) -> Principal:
+        """The caller of a control-plane route (an admin key); 401/403 otherwise."""
+        return await self._check(headers, ADMIN_SCOPES, self.admin_keys, "admin")
+
+    async def worker(self, headers: Headers) -> bool:
+        """Whether a connecting worker presents a GPU (worker) key, or none is needed."""
+        try:
+            await self._check(headers, WORKER_SCOPES, self.gpu_keys, "GPU")
+        except (Unauthorized, Forbidden):
+            return False
+        return True
+
+    async def is_open(self, scopes: tuple[Scope, ...], flag_keys: tuple[SecretStr, ...]) -> bool:
+        """No key of these scopes anywhere: open (loopback) or closed to all (beyond it)."""
+        if flag_keys:
+            return False
+        if self.store is None:
             return True
-        return matches(bearer(headers), self.gpu_keys)
+        return not await self._has_keys(scopes)
+
+    async def _check(
+        self,
+        headers: Headers,
+        scopes: tuple[Scope, ...],
+        flag_keys: tuple[SecretStr, ...],
+        kind: str,
+    ) -> Principal:
+        presented = bearer(headers)
+        if presented is not None:
+            if flag_keys and matches(presented, flag_keys):
+                return FLAG_KEY
+            if self.store is not None:
+                record = await self._verify(presented, scopes)
+                if record is not None:
+                    return record
+        if await self.is_open(scopes, flag_keys):
+            if self.open_when_keyless:
+                return OPEN
+            raise Forbidden(
+                f"This router has no {kind} key, so these routes are closed beyond loopback. "
+                f"Create one with `shoal keys create --scope {scopes[0].value}`."
+            )
+        if presented is None:
+            raise Unauthorized(f"No {kind} key given. Send it as 'Authorization: Bearer YOUR_KEY'.")
+        raise Unauthorized(f"Incorrect {kind} key provided. Check the key you were given.")
+
+    async def _verify(self, secret: str, scopes: tuple[Scope, ...]) -> Principal | None:
+        assert self.store is not None
+        try:
+            record = await self.store.verify(secret, scopes)
+        except DatabaseError as exc:
+            raise Unavailable(
+                "The router cannot check keys right now (its key database is unreachable). "
+                "Try again shortly.",
+                retry_after=5,
+            ) from exc
+        if record is None:
+            return None
+        limits = record.limits
+        return Principal(
+            record.id,
+            record.name or record.prefix,
+            RateLimits(limits.requests_per_min, limits.tokens_per_min, limits.max_streams),
+        )
+
+    async def _has_keys(self, scopes: tuple[Scope, ...]) -> bool:
+        assert self.store is not None
+        try:
+            return await self.store.has_keys(scopes)
+        except DatabaseError as exc:
+            raise Unavailable(
+                "The router cannot check keys right now (its key database is unreachable). "
+                "Try again shortly.",
+                retry_after=5,
+            ) from exc
+
+
+READER_SCOPES = (Scope.INFERENCE, Scope.ADMIN, Scope.WORKER)
+
+
+class StoreAccess:
+    """The embedded model store's access rules on the router's keys: clients and workers
+    read (list, download), admins upload."""
+
+    def __init__(self, keys: KeyCheck) -> None:
+        self.keys = keys
+
+    async def check_read(self, headers: Headers) -> None:
+        k = self.keys
+        await k._check(headers, READER_SCOPES, k.api_keys + k.gpu_keys + k.admin_keys, "API")
+
+    async def check_admin(self, headers: Headers) -> None:
+        await self.keys.admin(headers)
+
+
+def startup_problem(keys: KeyCheck, on_loopback: bool, host: str) -> str | None:
+    """Why a router on ``host`` must not start with these keys, or None. Loopback may run
+    open; beyond it clients and workers need keys (from flags or the key database)."""
+    if on_loopback:
+        return None
+    missing = []
+    if not (keys.api_keys or keys.admin_keys or _stored(keys, CLIENT_SCOPES)):
+        missing.append("API keys (--api-key, or `shoal keys create --scope inference`)")
+    if not (keys.gpu_keys or _stored(keys, WORKER_SCOPES)):
+        missing.append("GPU keys (--gpu-key, or `shoal keys create --scope worker`)")
+    if not missing:
+        return None
+    return (
+        f"refusing to listen on {host} without {' and '.join(missing)}: anyone on the network "
+        "could use or join this cluster. Create the keys, or listen on 127.0.0.1."
+    )
+
+
+def describe(keys: KeyCheck) -> str:
+    """One line for the start-up log: where keys come from, or that the router is open."""
+    parts = []
+    stored = {s: keys.store.count(s) for s in Scope} if keys.store else {}
+    for name, flags, scope in (
+        ("API", keys.api_keys, Scope.INFERENCE),
+        ("GPU", keys.gpu_keys, Scope.WORKER),
+        ("admin", keys.admin_keys, Scope.ADMIN),
+    ):
+        total = len(flags) + stored.get(scope, 0)
+        parts.append(f"{total} {name} key(s)" if total else f"no {name} key: {name} routes open")
+    return "; ".join(parts)
+
+
+def _stored(keys: KeyCheck, scopes: tuple[Scope, ...]) -> bool:
+    return keys.store is not None and any(keys.store.count(s) for s in scopes)

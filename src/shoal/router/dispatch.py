@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
 
 from shoal.protocol.ids import JobId, ModelName, new_job_id
 from shoal.protocol.messages import (
@@ -23,15 +25,19 @@ from shoal.protocol.messages import (
     JobFailed,
     JobResult,
     JobStart,
+    ModelsChanged,
     Register,
+    RunningJob,
     StateChanged,
     WorkerMessage,
 )
 from shoal.queue.memory import MemoryQueue, QueueFullError
 from shoal.router.errors import BadRequest, ModelNotFound, QueueFull, Unavailable
 from shoal.router.jobs import Data, Done, Failed, Job, JobState, Requeued, Result
+from shoal.router.metrics import Metrics, Snapshot
 from shoal.router.scheduler import pick_worker
 from shoal.router.settings import RouterSettings
+from shoal.router.worker_directory import RemoteWorker
 from shoal.router.workers import Registry, WorkerConnection
 
 log = logging.getLogger(__name__)
@@ -44,19 +50,58 @@ def queue_key(job: Job) -> tuple[ModelName, Endpoint]:
     return (job.model, job.endpoint)
 
 
+def unsupported_endpoint(model: ModelName, endpoint: Endpoint) -> BadRequest:
+    """The 400 for a model that is served, but not for this endpoint."""
+    flag = " (start a worker with --embedding)" if endpoint is Endpoint.EMBEDDINGS else ""
+    return BadRequest(
+        f"The model {model!r} is not served for {endpoint.path}{flag}.",
+        param="model",
+        code="unsupported_endpoint",
+    )
+
+
 class Dispatcher:
-    def __init__(self, settings: RouterSettings, registry: Registry) -> None:
+    queue_backend: ClassVar[str] = "memory"
+    """Where jobs wait: ``memory`` (this router only) or ``redis`` (shared by its routers)."""
+
+    def __init__(
+        self, settings: RouterSettings, registry: Registry, metrics: Metrics | None = None
+    ) -> None:
         self.settings = settings
         self.registry = registry
+        self.metrics = metrics or Metrics(Snapshot)
         # One FIFO per (model, endpoint): a queued embeddings job never holds up chat jobs.
         self.queue: MemoryQueue[Job] = MemoryQueue(settings.max_queue, key=queue_key)
         self._where: dict[JobId, WorkerConnection] = {}
+        self.unavailable_reason: Callable[[ModelName], str | None] | None = None
+        """Why a model no worker serves now is only temporarily away (a split model being
+        redeployed): a 503 with ``Retry-After`` instead of a 404."""
 
-    # ------------------------------------------------------------ client side
+    # ------------------------------------------------------------ cluster view
+
+    def remote_workers(self) -> list[RemoteWorker]:
+        """Workers connected to other routers (only routers sharing a Redis have any)."""
+        return []
+
+    def worker_summaries(self) -> list[dict[str, object]]:
+        """Every worker of the cluster, as ``/api/v1/workers`` lists them."""
+        return [w.summary() for w in self.registry]
+
+    def queue_depths(self) -> Mapping[ModelName, int]:
+        """Requests waiting for a worker, per model (all its endpoints); a model with none
+        may be missing. In-process: this router's queue, exact. ``RedisDispatcher``: every
+        router's, from a snapshot a heartbeat interval old at most. Cheap: no I/O."""
+        depths: Counter[ModelName] = Counter()
+        for key in self.queue.waiting_keys():
+            if isinstance(key, tuple):
+                depths[key[0]] += self.queue.depth(key)
+        return depths
 
     def queued(self, model: ModelName) -> int:
-        """Requests waiting for ``model``, over all its endpoints."""
-        return sum(self.queue.depth((model, endpoint)) for endpoint in Endpoint)
+        """Requests waiting for ``model``, over all its endpoints (see ``queue_depths``)."""
+        return self.queue_depths().get(model, 0)
+
+    # ------------------------------------------------------------ client side
 
     def submit(
         self, model: ModelName, endpoint: Endpoint, stream: bool, body: dict[str, Any]
@@ -79,6 +124,9 @@ class Dispatcher:
 
     def _check_served(self, model: ModelName, endpoint: Endpoint) -> None:
         served = self.registry.model_info(model)
+        why = self.unavailable_reason(model) if self.unavailable_reason and not served else None
+        if why:  # a split model that is starting or degraded
+            raise Unavailable(why, retry_after=RETRY_AFTER_NO_WORKER_S)
         if not served:
             available = sorted(self.registry.models())
             hint = (
@@ -91,12 +139,7 @@ class Dispatcher:
                 param="model",
             )
         if not any(endpoint in info.endpoints for _, info in served):
-            flag = " (start a worker with --embedding)" if endpoint is Endpoint.EMBEDDINGS else ""
-            raise BadRequest(
-                f"The model {model!r} is not served for {endpoint.path}{flag}.",
-                param="model",
-                code="unsupported_endpoint",
-            )
+            raise unsupported_endpoint(model, endpoint)
 
     async def wait_assigned(self, job: Job) -> None:
         """Wait until a worker takes the job; past the wait limit, give up with a 503."""
@@ -145,7 +188,9 @@ class Dispatcher:
         job.worker_id = worker.id
         job.transition(JobState.ASSIGNED)
         worker.running[job.id] = job
-        worker.last_assigned = time.monotonic()
+        now = time.monotonic()
+        worker.last_assigned = now
+        self.metrics.queue_wait(job.model, now - job.queued_at)
         self._where[job.id] = worker
         worker.send(
             JobStart(
@@ -185,31 +230,40 @@ class Dispatcher:
 
     # ------------------------------------------------------------ worker side
 
-    def on_registered(self, worker: WorkerConnection) -> None:
+    def on_registered(self, worker: WorkerConnection, held: Sequence[RunningJob] = ()) -> None:
+        """A worker joined. ``held``: jobs it still runs from a connection it lost; the
+        in-process queue ended those when that connection dropped, so they are cancelled."""
         self.registry.add(worker)
+        for running in held:
+            log.info("job %s: worker %s still runs it; cancelled", running.job_id, worker.id)
+            worker.send(JobCancel(job_id=running.job_id))
         self.pump()
 
     def on_chunks(self, worker: WorkerConnection, items: list[tuple[JobId, str]]) -> None:
         """Streamed chunks (the hot path: decoded without a model per chunk)."""
-        worker.last_seen = time.monotonic()
+        now = worker.last_seen = time.monotonic()
         for job_id, data in items:
-            self._on_chunk(worker, job_id, data)
+            self._on_chunk(worker, job_id, data, now)
 
     def on_message(self, worker: WorkerConnection, msg: WorkerMessage) -> None:
         worker.last_seen = time.monotonic()
         match msg:
             case Chunks(items=items):
                 for item in items:
-                    self._on_chunk(worker, item.job_id, item.data)
+                    self._on_chunk(worker, item.job_id, item.data, worker.last_seen)
             case JobDone(job_id=job_id):
                 self._succeed(worker, job_id, Done())
             case JobResult(job_id=job_id, body=body):
                 self._succeed(worker, job_id, Result(body))
             case JobFailed():
                 self._on_failed(worker, msg)
-            case Heartbeat(state=state, ram_available_bytes=ram):
+            case Heartbeat(state=state, ram_available_bytes=ram, gpu_free_bytes=gpu_free):
                 worker.ram_available_bytes = ram
+                worker.gpu_free_bytes = gpu_free
                 self._on_state(worker, state, worker.detail)
+            case ModelsChanged(models=models):
+                worker.set_models(models)
+                self.pump()
             case StateChanged(state=state, detail=detail):
                 self._on_state(worker, state, detail)
             case Register():
@@ -220,12 +274,19 @@ class Dispatcher:
             self._finish(job, JobState.SUCCEEDED)
             job.deliver(event)
 
-    def _on_chunk(self, worker: WorkerConnection, job_id: JobId, data: str) -> None:
+    def _on_chunk(self, worker: WorkerConnection, job_id: JobId, data: str, now: float) -> None:
         job = worker.running.get(job_id)
         if job is None:
             return  # cancelled while the chunk was in flight
-        if job.state is JobState.ASSIGNED:
+        if job.endpoint.is_image:  # progress events, not tokens: kept out of the token timings
+            if job.state is JobState.ASSIGNED:
+                job.transition(JobState.STREAMING)
+        elif job.state is JobState.ASSIGNED:
             job.transition(JobState.STREAMING)
+            self.metrics.first_token(job.model, now - job.created)
+        else:
+            self.metrics.inter_token(job.model, now - job.last_chunk_at)
+        job.last_chunk_at = now
         job.deliver(Data(data))
 
     def _on_failed(self, worker: WorkerConnection, msg: JobFailed) -> None:
@@ -247,9 +308,9 @@ class Dispatcher:
         job.deliver(Failed(msg.status, msg.error))
 
     def _on_state(self, worker: WorkerConnection, state: BackendState, detail: str) -> None:
-        was_ready = worker.ready
+        was_available = worker.available
         worker.set_backend_state(state, detail)
-        if worker.ready and not was_ready:
+        if worker.available and not was_available:
             self.pump()
 
     def _requeue(self, job: Job, why: str) -> bool:

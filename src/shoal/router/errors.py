@@ -6,6 +6,9 @@ registers the translation. Anything else becomes a 500 with no internals in the 
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 from fastapi import FastAPI
 
 from shoal import api_errors
@@ -30,6 +33,20 @@ class Unauthorized(RouterError):
     code = "invalid_api_key"
 
 
+class Forbidden(RouterError):
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
+class RateLimitExceeded(RouterError):
+    """A key's requests/min, tokens/min or concurrent-stream limit; headers say when to retry."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
 class NotFound(RouterError):
     status = 404
     type = "invalid_request_error"
@@ -38,6 +55,18 @@ class NotFound(RouterError):
 
 class ModelNotFound(NotFound):
     code = "model_not_found"
+
+
+class Conflict(RouterError):
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
+class PayloadTooLarge(RouterError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
 
 
 class QueueFull(RouterError):
@@ -70,10 +99,49 @@ class UpstreamError(RouterError):
 
 _UNKNOWN_PATH = (
     "Unknown path {path}. Shoal serves /v1/chat/completions, /v1/completions, "
-    "/v1/embeddings and /v1/models."
+    "/v1/embeddings, /v1/images/generations, /v1/images/edits and /v1/models."
 )
 
 
 def install(app: FastAPI) -> None:
     api_errors.install(app, RouterError)
     api_errors.install_fallbacks(app, unknown_path=_UNKNOWN_PATH, server="the router")
+
+
+ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "integer", "null"]},
+            },
+        }
+    },
+}
+_DEFAULT_RESPONSE = {
+    "description": "An error, OpenAI-style: 400 invalid request, 401 missing or wrong key, "
+    "404 unknown model or path, 413 body too large, 429 queue full, 502/503 no worker.",
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+}
+
+
+def document_errors(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` (OpenAPI) with the router's error answers declared on every operation.
+
+    FastAPI documents a 422 the router never sends (invalid input is a 400 here); every
+    error is the same OpenAI-style JSON, so it becomes each operation's ``default`` response.
+    """
+    result = copy.deepcopy(schema)
+    result.setdefault("components", {}).setdefault("schemas", {})["Error"] = ERROR_SCHEMA
+    for operations in result.get("paths", {}).values():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            responses.pop("422", None)
+            responses.setdefault("default", _DEFAULT_RESPONSE)
+    return result

@@ -102,6 +102,9 @@ class Job:
     requeues: int = 0
     created: float = field(default_factory=time.monotonic)
     queued_at: float = field(default_factory=time.monotonic)
+    last_chunk_at: float = 0.0
+    key_id: str | None = None
+    """The API key that submitted the job (usage and token limits are charged to it)."""
     events: asyncio.Queue[JobEvent] = field(default_factory=asyncio.Queue)
     assigned: asyncio.Event = field(default_factory=asyncio.Event)
 

@@ -14,6 +14,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from shoal.protocol.messages import ErrorBody
+from shoal.router.accounting import Accounting, Ticket
 from shoal.router.dispatch import Dispatcher
 from shoal.router.errors import (
     RouterError,
@@ -22,6 +23,8 @@ from shoal.router.errors import (
     error_response,
 )
 from shoal.router.jobs import Data, Done, Failed, Job, JobEvent, Requeued, Result
+from shoal.router.result_cache import CacheFill
+from shoal.router.usage import tokens_of
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +42,24 @@ class ClientGone(Exception):
 
 
 class JobResponse(Response):
-    def __init__(self, job: Job, dispatcher: Dispatcher) -> None:
+    def __init__(
+        self,
+        job: Job,
+        dispatcher: Dispatcher,
+        accounting: Accounting | None = None,
+        ticket: Ticket | None = None,
+        fill: CacheFill | None = None,
+    ) -> None:
         super().__init__()
         self.job = job
         self.dispatcher = dispatcher
+        self.accounting = accounting
+        self.ticket = ticket
+        self.fill = fill
+        """Collects a cacheable answer for the result cache."""
+        self.status_code = 0
+        self.answer: str | None = None
+        """The result body, or the last streamed payload (where usage and timings are)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -58,6 +75,9 @@ class JobResponse(Response):
             log.info("job %s model=%s: client connection broke", self.job.id, self.job.model)
         finally:
             self.dispatcher.cancel(self.job, "client disconnected")
+            if self.accounting is not None and self.ticket is not None:
+                tokens = tokens_of(self.answer) if self.answer else None
+                await self.accounting.finish(self.ticket, self.job, tokens)
 
     async def _respond(self, scope: Scope, send: Send) -> None:
         job = self.job
@@ -65,13 +85,20 @@ class JobResponse(Response):
             await self.dispatcher.wait_assigned(job)
             first = await self._next_answer()
         except RouterError as exc:
-            await error_response(exc)(scope, _no_receive, send)
+            response = error_response(exc)
+            self.status_code = response.status_code
+            await response(scope, _no_receive, send)
             return
         if isinstance(first, Result):
+            self.answer = first.body
             await self._start(send, 200, _JSON_HEADERS)
             await send({"type": "http.response.body", "body": first.body.encode()})
+            if self.fill is not None:
+                await self.fill.finish_body(first.body)
         elif isinstance(first, Failed):
-            await error_response(UpstreamError(first.status, first.error))(scope, _no_receive, send)
+            response = error_response(UpstreamError(first.status, first.error))
+            self.status_code = response.status_code
+            await response(scope, _no_receive, send)
         elif isinstance(first, Data):
             await self._stream(send, first)
 
@@ -87,6 +114,11 @@ class JobResponse(Response):
         headers = [*headers, (b"x-request-id", self.job.id.encode())]
         if self.job.worker_id:
             headers.append((b"x-shoal-worker", self.job.worker_id.encode()))
+        if self.ticket is not None:
+            headers += [(k.encode(), v.encode()) for k, v in self.ticket.headers.items()]
+        if self.fill is not None:
+            headers.append((b"x-shoal-cache", b"miss"))
+        self.status_code = status
         await send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def _stream(self, send: Send, first: Data) -> None:
@@ -94,25 +126,38 @@ class JobResponse(Response):
         events = self.job.events
         pending: list[JobEvent] = [first]
         while True:
-            buf = bytearray()
-            for event in pending:
-                if isinstance(event, Data):
-                    buf += b"data: "
-                    buf += event.data.encode()
-                    buf += b"\n\n"
-                elif isinstance(event, Done):
-                    buf += _DONE
-                    await send({"type": "http.response.body", "body": bytes(buf)})
-                    return
-                elif isinstance(event, Failed):
-                    buf += b"data: " + _error_event(event.error) + b"\n\n"
-                    await send({"type": "http.response.body", "body": bytes(buf)})
-                    return
+            buf, end = self._encode(pending)
+            if end is not None:
+                await send({"type": "http.response.body", "body": bytes(buf)})
+                if isinstance(end, Done) and self.fill is not None:
+                    await self.fill.finish_stream()
+                return
             if buf:
                 await send({"type": "http.response.body", "body": bytes(buf), "more_body": True})
+            if self.accounting is not None and self.ticket is not None and self.ticket.slot:
+                await self.accounting.keepalive(self.ticket)
             pending = [await events.get()]
             while not events.empty():
                 pending.append(events.get_nowait())
+
+    def _encode(self, pending: list[JobEvent]) -> tuple[bytearray, Done | Failed | None]:
+        """SSE bytes for a batch of events, and the event that ends the stream, if any."""
+        buf = bytearray()
+        for event in pending:
+            if isinstance(event, Data):
+                self.answer = event.data
+                if self.fill is not None:
+                    self.fill.data(event.data)
+                buf += b"data: "
+                buf += event.data.encode()
+                buf += b"\n\n"
+            elif isinstance(event, Done):
+                buf += _DONE
+                return buf, event
+            elif isinstance(event, Failed):
+                buf += b"data: " + _error_event(event.error) + b"\n\n"
+                return buf, event
+        return buf, None
 
 
 def _error_event(error: ErrorBody) -> bytes:

@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 
 from shoal.models.default import DEFAULT_MODEL
-from shoal.security import is_loopback, missing_keys
+from shoal.security import is_loopback
 from shoal.settings import CommonSettings, SecretList, split_commas
 
 
@@ -16,16 +16,18 @@ class RouterSettings(CommonSettings):
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
     api_key: SecretList = Field(
         (),
-        description="Comma-separated API keys clients must present (Authorization: Bearer). "
-        "Required when listening beyond loopback.",
+        description="Comma-separated API keys clients may present (Authorization: Bearer), "
+        "besides the key database's (`shoal keys create`).",
     )
     gpu_key: SecretList = Field(
         (),
-        description="Comma-separated keys workers must present to join. "
-        "Required when listening beyond loopback.",
+        description="Comma-separated keys workers may present to join, besides the key "
+        "database's worker keys.",
     )
     admin_key: SecretList = Field(
-        (), description="Comma-separated keys allowed to upload to the embedded model store."
+        (),
+        description="Comma-separated admin keys (dashboard, /metrics, usage, workers, pipeline, "
+        "uploads), besides the key database's admin keys.",
     )
     storage: Path | None = Field(
         None,
@@ -45,6 +47,63 @@ class RouterSettings(CommonSettings):
     max_requeues: int = Field(
         2, ge=0, description="Times a job is handed to another worker when its worker is lost."
     )
+    database_url: str | None = Field(
+        None,
+        description="Where API keys and usage live: a SQLAlchemy URL (postgresql://..., "
+        "sqlite:///path). Default: a SQLite file in Shoal's data folder.",
+    )
+    redis_url: str | None = Field(
+        None,
+        description="Redis to share rate limits (and, later, queues) with other routers, "
+        "e.g. redis://127.0.0.1:6379/0.",
+    )
+    redis_prefix: str = Field("shoal:", description="Prefix of every Redis key this cluster uses.")
+    queue_lease: float | None = Field(
+        None,
+        gt=0,
+        description="With --redis-url: seconds after which a job held by a router that stopped "
+        "renewing it is taken over (and run again if it had produced nothing). Default: twice "
+        "the worker heartbeat timeout.",
+    )
+    job_ttl: float = Field(
+        3600.0, gt=0, description="Seconds an async job's result (/v1/jobs) is kept."
+    )
+    job_max_active: int = Field(
+        1024, ge=1, description="Async jobs queued or running at once before new ones get 429."
+    )
+    cache: bool = Field(
+        False,
+        description="Answer repeated deterministic requests (temperature 0 or a fixed seed) "
+        "from a result cache (Redis with --redis-url, else in memory).",
+    )
+    cache_ttl: float = Field(600.0, gt=0, description="Seconds a cached answer is kept.")
+    cache_max_entries: int = Field(
+        1024, ge=1, description="Answers the in-memory result cache keeps (least recent go)."
+    )
+    tls_cert: Path | None = Field(
+        None, description="TLS certificate (PEM) to serve HTTPS and WSS; needs --tls-key."
+    )
+    tls_key: Path | None = Field(None, description="TLS private key (PEM) for --tls-cert.")
+    tunnel_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Port of the tunnel listener that carries split models' RPC traffic "
+        "between workers (authenticated per tunnel; TLS with --tls-cert). 0: any free port "
+        "(workers are told which).",
+    )
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="Largest request body accepted (bytes); else 413."
+    )
+    max_tokens_limit: int | None = Field(
+        None,
+        ge=1,
+        description="Highest max_tokens (or max_completion_tokens) a request may ask for; "
+        "else 400. Default: no limit beyond the model's context.",
+    )
+    max_messages: int = Field(
+        1024, ge=1, description="Most messages a chat request may carry; else 400."
+    )
     heartbeat_interval: float = Field(5.0, gt=0, description="Seconds between worker heartbeats.")
     heartbeat_misses: int = Field(
         3, ge=1, description="Missed heartbeats after which a worker is dropped."
@@ -59,16 +118,3 @@ class RouterSettings(CommonSettings):
     @property
     def on_loopback(self) -> bool:
         return is_loopback(self.host)
-
-    def security_problem(self) -> str | None:
-        """Why this configuration must not start, or None. Loopback may run open."""
-        missing = missing_keys(
-            self.host,
-            {"--api-key/SHOAL_API_KEY": self.api_key, "--gpu-key/SHOAL_GPU_KEY": self.gpu_key},
-        )
-        if not missing:
-            return None
-        return (
-            f"refusing to listen on {self.host} without {' and '.join(missing)}: anyone on the "
-            "network could use or join this cluster. Set the key(s), or listen on 127.0.0.1."
-        )

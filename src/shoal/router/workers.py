@@ -42,6 +42,9 @@ _ALLOWED = {
 }
 
 
+_TAKES_JOBS = frozenset({BackendState.READY, BackendState.UNLOADED})
+
+
 @dataclass(eq=False)
 class WorkerConnection:
     id: WorkerId
@@ -60,6 +63,7 @@ class WorkerConnection:
     last_seen: float = field(default_factory=time.monotonic)
     connected_at: float = field(default_factory=time.time)
     ram_available_bytes: int = 0
+    gpu_free_bytes: tuple[int | None, ...] = ()
     outbox: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
     served: frozenset[tuple[ModelName, Endpoint]] = frozenset()
 
@@ -76,9 +80,21 @@ class WorkerConnection:
             software=msg.software,
             peer=peer,
             ram_available_bytes=msg.hardware.ram_available_bytes,
+            gpu_free_bytes=tuple(g.memory_free_bytes for g in msg.hardware.gpus),
         )
-        conn.served = frozenset((m.name, e) for m in msg.models for e in m.endpoints)
+        conn.set_models(msg.models)
         return conn
+
+    def set_models(self, models: tuple[ModelInfo, ...]) -> None:
+        if models != self.models:
+            log.info(
+                "worker %s (%s): models %s",
+                self.id,
+                self.name,
+                ", ".join(m.name for m in models) or "none yet",
+            )
+        self.models = models
+        self.served = frozenset((m.name, e) for m in models for e in m.endpoints)
 
     def move(self, new: ConnState, why: str) -> None:
         if new not in _ALLOWED[self.conn_state]:
@@ -109,10 +125,16 @@ class WorkerConnection:
     def ready(self) -> bool:
         return self.conn_state is ConnState.ACTIVE and self.backend_state is BackendState.READY
 
+    @property
+    def available(self) -> bool:
+        """Takes jobs: ready, or unloaded after idling (the job waits while it loads again)."""
+        return self.conn_state is ConnState.ACTIVE and self.backend_state in _TAKES_JOBS
+
     def load(self) -> WorkerLoad:
         return WorkerLoad(
             id=self.id,
-            ready=self.ready,
+            ready=self.available,
+            loaded=self.ready,
             models=self.served,
             slots=self.slots,
             running=len(self.running),
@@ -131,6 +153,7 @@ class WorkerConnection:
             "running_jobs": len(self.running),
             "hardware": self.hardware.model_dump(mode="json"),
             "ram_available_bytes": self.ram_available_bytes,
+            "gpu_free_bytes": list(self.gpu_free_bytes),
             "backend_url": self.backend_url,
             "software": self.software,
             "peer": self.peer,

@@ -9,10 +9,12 @@ import sys
 
 from pydantic import SecretStr
 
+from shoal.keys import KeyStoreError, Scope, ensure_bootstrap_keys, open_store
 from shoal.router.app import RouterConfigError, bind, serve
 from shoal.router.settings import RouterSettings
 from shoal.security import is_loopback
 from shoal.up.settings import UpSettings
+from shoal.worker.hardware import detect_profile
 from shoal.worker.main import plan, run_worker
 from shoal.worker.settings import WorkerSettings
 
@@ -23,23 +25,44 @@ class UpError(Exception):
     pass
 
 
-def banner(url: str, model: str, api_key: str | None) -> str:
-    auth = f' \\\n  -H "Authorization: Bearer {api_key}"' if api_key else ""
-    key_line = (
-        f"API key:  {api_key}   (shown once; clients send it as a Bearer token)\n"
-        if (api_key)
-        else "API key:  none needed (listening on loopback only)\n"
-    )
+def banner(url: str, model: str, new_keys: dict[Scope, str] | None, extra_key: str | None) -> str:
+    """What ``shoal up`` prints once everything is ready; new keys are shown this once."""
+    api_key = (new_keys or {}).get(Scope.INFERENCE) or extra_key
+    if new_keys:
+        keys = (
+            f"API key:  {new_keys[Scope.INFERENCE]}   (inference; shown once, keep it)\n"
+            f"Admin key: {new_keys[Scope.ADMIN]}   (dashboard and control plane; shown once)\n"
+        )
+    elif extra_key:
+        keys = "API key:  the one given with --api-key, or any key from `shoal keys list`\n"
+    else:
+        keys = (
+            "API key:  the inference key printed on the first run (`shoal keys list` shows "
+            "them; `shoal keys create --scope inference` makes another)\n"
+        )
+    shown = api_key or "$SHOAL_API_KEY"
     return (
         "\nShoal is up.\n"
         f"Endpoint: {url}/v1   (OpenAI-compatible)\n"
+        f"Dashboard: {url}/\n"
         f"Model:    {model}\n"
-        f"{key_line}"
+        f"{keys}"
         "Try it:\n"
-        f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+        f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        f'    -H "Authorization: Bearer {shown}" \\\n'
         f'    -d \'{{"model": "{model}", "stream": true, '
         '"messages": [{"role": "user", "content": "Say hello"}]}\'\n'
         "Press Ctrl-C to stop everything.\n"
+    )
+
+
+def image_banner(url: str, api_key: str | None) -> str:
+    """How to try the image model, printed after the banner when ``--image-model`` is on."""
+    return (
+        "Images (the image model loads in the background; the first request waits for it):\n"
+        f"  curl {url}/v1/images/generations -H 'Content-Type: application/json' \\\n"
+        f'    -H "Authorization: Bearer {api_key or "$SHOAL_API_KEY"}" \\\n'
+        '    -d \'{"prompt": "a lighthouse at dusk", "size": "512x512"}\'\n'
     )
 
 
@@ -52,13 +75,22 @@ def _reachable_host(host: str) -> str:
 
 async def run_up(settings: UpSettings, path_env: str | None) -> None:
     api_key = settings.api_key
-    if api_key is None and not is_loopback(settings.host):
-        api_key = "sk-shoal-" + secrets.token_urlsafe(24)
+    try:
+        store = await asyncio.to_thread(open_store, settings.database_url)
+    except KeyStoreError as exc:
+        raise UpError(str(exc)) from None
+    try:
+        new_keys = await asyncio.to_thread(ensure_bootstrap_keys, store)
+    finally:
+        store.close()
+    if new_keys:
+        log.info("created an inference and an admin key in %s", store.db.display())
     gpu_key = secrets.token_urlsafe(24)  # this process's worker is its only worker
     router_settings = RouterSettings(
         host=settings.host,
         port=settings.port,
         api_key=(SecretStr(api_key),) if api_key else (),
+        database_url=settings.database_url,
         gpu_key=(SecretStr(gpu_key),),
         cache_dir=settings.cache_dir,
         log_level=settings.log_level,
@@ -75,19 +107,31 @@ async def run_up(settings: UpSettings, path_env: str | None) -> None:
         name="local",
         model=settings.model,
         model_alias=settings.model_alias,
+        image_model=settings.image_model,
         slots=settings.slots,
         ctx_size=settings.ctx_size,
         threads=settings.threads,
         llama_server_path=settings.llama_server_path,
+        llama_cpp_backend=settings.llama_cpp_backend,
+        llama_cpp_from=settings.llama_cpp_from,
+        github_url=settings.github_url,
+        github_token=settings.github_token,
         cache_dir=settings.cache_dir,
         log_level=settings.log_level,
     )
-    the_plan = await asyncio.to_thread(plan, worker_settings, path_env)
+    machine = await asyncio.to_thread(detect_profile)
+    the_plan = await asyncio.to_thread(plan, worker_settings, path_env, machine)
     url = f"http://{local}:{port}"
     ready = asyncio.Event()
     async with asyncio.TaskGroup() as tg:
         tg.create_task(serve(router_settings, sock))
-        tg.create_task(run_worker(worker_settings, the_plan, on_ready=ready.set))
+        tg.create_task(
+            run_worker(
+                worker_settings, the_plan, on_ready=ready.set, path_env=path_env, machine=machine
+            )
+        )
         await ready.wait()
-        sys.stdout.write(banner(url, the_plan.model.name, api_key))
+        sys.stdout.write(banner(url, the_plan.model.name, new_keys, api_key))
+        if settings.image_model:
+            sys.stdout.write(image_banner(url, api_key))
         sys.stdout.flush()

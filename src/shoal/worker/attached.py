@@ -6,7 +6,9 @@ LOADING ──/v1/models answers──▶ READY ──3 failed checks──▶ L
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -36,6 +38,11 @@ class AttachedServer:
         if state is BackendState.READY:
             self.ready.set()
         self.on_state(state, detail)
+
+    @contextlib.asynccontextmanager
+    async def use(self) -> AsyncIterator[None]:
+        """Nothing to load: an attached server is someone else's to start and stop."""
+        yield
 
     async def run(self) -> None:
         failures = 0

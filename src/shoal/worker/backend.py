@@ -25,7 +25,7 @@ from shoal.protocol.messages import (
     JobStart,
 )
 from shoal.worker.aggregate import aggregate
-from shoal.worker.outbox import Outbox
+from shoal.worker.sink import JobSink
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class Backend:
             return orjson.dumps(obj).decode()
         return data
 
-    async def run(self, job: JobStart, out: Outbox) -> None:
+    async def run(self, job: JobStart, out: JobSink) -> None:
         """Run ``job``; every outcome is reported through ``out``. Cancel to stop it."""
         url = self.base_url() + job.endpoint.path
         progress = _Progress()
@@ -177,7 +177,7 @@ class Backend:
             )
 
     async def _stream(
-        self, job: JobStart, resp: aiohttp.ClientResponse, out: Outbox, progress: _Progress
+        self, job: JobStart, resp: aiohttp.ClientResponse, out: JobSink, progress: _Progress
     ) -> None:
         job_id = job.job_id
         async for batch in sse_data(resp.content):
@@ -192,11 +192,13 @@ class Backend:
                         JobFailed(job_id=job_id, status=500, error=err, started=progress.started)
                     )
                     return
+                if data == "null":  # llama-server's placeholder for a prompt with no output yet
+                    continue
                 out.chunk(job_id, self._rename(data))
                 progress.started = True
         raise aiohttp.ClientPayloadError("the backend ended the stream without [DONE]")
 
-    async def _collect(self, job: JobStart, resp: aiohttp.ClientResponse, out: Outbox) -> None:
+    async def _collect(self, job: JobStart, resp: aiohttp.ClientResponse, out: JobSink) -> None:
         chunks: list[dict[str, Any]] = []
         async for batch in sse_data(resp.content):
             for data in batch:
@@ -205,7 +207,13 @@ class Backend:
                     out.send(JobResult(job_id=job.job_id, body=self._rename(body)))
                     await _finish_body(resp)
                     return
-                chunk = orjson.loads(data)
+                try:
+                    chunk = orjson.loads(data)
+                except orjson.JSONDecodeError:
+                    log.warning("job %s: backend sent a non-JSON chunk: %.200s", job.job_id, data)
+                    continue
+                if not isinstance(chunk, dict):  # llama-server streams `null` for some prompts
+                    continue
                 if "error" in chunk:
                     err = error_from_body(500, data.encode())
                     out.send(JobFailed(job_id=job.job_id, status=500, error=err))

@@ -17,3 +17,10 @@ class Backoff:
         ceiling = min(self.cap, self.base * self.factor**attempt)
         u = random.random() if draw is None else draw
         return ceiling * (0.5 + 0.5 * u)
+
+    def failover_delay(self, attempt: int, routers: int, draw: float | None = None) -> float:
+        """Delay before retry number ``attempt`` (0-based) when there are ``routers`` to try
+        in turn: the next router at once, the backoff once every router was tried."""
+        if (attempt + 1) % routers:
+            return 0.0
+        return self.delay(attempt // routers, draw)

@@ -3,7 +3,17 @@
 CONNECTING ──handshake ok──▶ REGISTERED ──socket lost──▶ WAITING ──backoff──▶ CONNECTING
      │                                                      ▲
      └──connect failed──────────────────────────────────────┘
-refused for a bad key or protocol version ──▶ raises ``Refusal`` (retrying cannot help)
+refused for a bad key or protocol version ──▶ raises ``RouterRefused`` (retrying cannot help)
+router's TLS certificate fails verification ──▶ raises ``UntrustedRouter`` (nor can it here)
+
+Given several routers (on one Redis), the link dials the next one whenever a connection ends
+or fails, without delay until each was tried, then with the backoff.
+
+Jobs survive a lost connection: they go on running and their output is held (``Outbox``);
+the registration with the next router lists them (``Register.running``) and that router
+resumes or cancels each. Jobs no router took back within ``DETACHED_GRACE_S`` are cancelled.
+
+A ``wss://`` router is verified against the system's CAs, or the one CA given (``--tls-ca``).
 """
 
 from __future__ import annotations
@@ -11,8 +21,11 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Protocol
 
 import websockets
 from pydantic import ValidationError
@@ -22,17 +35,24 @@ from shoal.protocol.messages import (
     BackendState,
     Heartbeat,
     JobCancel,
+    JobResume,
     JobStart,
+    ModelControl,
+    ModelInfo,
+    ModelsChanged,
     RefusalCode,
     Refused,
     Register,
     Registered,
+    ShardStart,
+    ShardStop,
     StateChanged,
+    TunnelDial,
     decode_router_message,
     encode,
 )
 from shoal.worker.backoff import Backoff
-from shoal.worker.hardware import ram_available
+from shoal.worker.hardware import MemoryProbe
 from shoal.worker.outbox import Outbox
 from shoal.worker.runner import JobRunner
 
@@ -42,6 +62,9 @@ HANDSHAKE_TIMEOUT_S = 10.0
 STABLE_AFTER_S = 30.0
 """A connection that lasted this long resets the backoff."""
 FATAL_REFUSALS = {RefusalCode.BAD_KEY, RefusalCode.PROTOCOL_VERSION}
+DETACHED_GRACE_S = 60.0
+"""How long jobs run on without a router (longer than a router's lease on them: after that
+no router can take them back)."""
 
 
 class LinkState(enum.StrEnum):
@@ -51,33 +74,103 @@ class LinkState(enum.StrEnum):
 
 
 class Refusal(Exception):
+    """This worker cannot join the router; when ``fatal``, retrying cannot help (exit 2)."""
+
+    def __init__(self, message: str, *, fatal: bool = True) -> None:
+        super().__init__(message)
+        self.fatal = fatal
+
+
+class RouterRefused(Refusal):
+    """The router answered the registration with ``refused``."""
+
     def __init__(self, refused: Refused) -> None:
-        super().__init__(f"the router refused this worker ({refused.code}): {refused.reason}")
+        super().__init__(
+            f"the router refused this worker ({refused.code}): {refused.reason}",
+            fatal=refused.code in FATAL_REFUSALS,
+        )
         self.refused = refused
 
 
+class UntrustedRouter(Refusal):
+    """The router's TLS certificate cannot be verified: a setting to fix, not a network blip."""
+
+
+_TLS_HINT = (
+    "If a private CA signed the router's certificate, give this worker that CA's certificate "
+    "with --tls-ca; check also that the host in --router-url is one the certificate names."
+)
+
+
+def client_tls_context(ca: Path | None) -> ssl.SSLContext:
+    """A context that verifies servers: against the system's CAs, or only ``ca`` (PEM).
+
+    For the router link (``RouterLink(ssl=...)``) and HTTPS model stores alike.
+    """
+    try:
+        return ssl.create_default_context(cafile=ca)
+    except OSError as exc:  # ssl.SSLError too: the file is not a PEM certificate
+        reason = exc.strerror or getattr(exc, "reason", None) or str(exc)
+        raise UntrustedRouter(
+            f"cannot use {ca} as the CA certificate (--tls-ca): {reason}. Give the PEM file "
+            "of the CA that signed the router's certificate."
+        ) from None
+
+
+class ShardOrders(Protocol):
+    """Where the router's orders about split models go (``worker.shards.ShardHost``)."""
+
+    def start(self, spec: ShardStart) -> None: ...
+
+    def stop(self, deployment: str) -> None: ...
+
+    def dial(self, msg: TunnelDial) -> None: ...
+
+
 class RouterLink:
+    shards: ShardOrders | None = None
+    """Set by the worker when it can take part in split models."""
+    on_model_control: Callable[[ModelControl], bool] | None = None
+    """Set by the worker when it can load and unload models on request (image models)."""
+
     def __init__(
         self,
-        url: str,
+        urls: Sequence[str],
         gpu_key: str | None,
         register: Callable[[], Register],
         runner: JobRunner,
         outbox: Outbox,
         backoff: Backoff | None = None,
+        memory: MemoryProbe | None = None,
+        ssl: ssl.SSLContext | None = None,
     ) -> None:
-        self.url = url
+        """``urls``: the routers to dial, in turn. ``ssl`` verifies a ``wss://`` router
+        (default: the system's CAs); ws:// ignores it."""
+        if not urls:
+            raise ValueError("a worker needs at least one router URL")
+        self.urls = tuple(urls)
+        self.url = self.urls[0]
+        self.ssl = ssl
         self.gpu_key = gpu_key
         self.register = register
         self.runner = runner
         self.outbox = outbox
         self.backoff = backoff or Backoff()
+        self.memory = memory or MemoryProbe(None)
         self.state = LinkState.WAITING
         self.backend_state = BackendState.LOADING
+        self.default_model: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        """The router's default model, from the first ``registered`` reply."""
+        self._grace: asyncio.TimerHandle | None = None
 
     def _move(self, state: LinkState, why: str) -> None:
         log.info("router link %s: %s -> %s %s", self.url, self.state, state, why)
         self.state = state
+
+    def on_models(self, models: tuple[ModelInfo, ...]) -> None:
+        """The worker now serves ``models``; later registrations carry them too."""
+        if self.state is LinkState.REGISTERED:
+            self.outbox.send(ModelsChanged(models=models))
 
     def on_backend_state(self, state: BackendState, detail: str) -> None:
         self.backend_state = state
@@ -85,58 +178,104 @@ class RouterLink:
             self.outbox.send(StateChanged(state=state, detail=detail))
 
     async def run(self) -> None:
-        attempt = 0
+        attempt = turn = 0
         while True:
+            self.url = self.urls[turn % len(self.urls)]
             self._move(LinkState.CONNECTING, f"(attempt {attempt + 1})")
             connected = time.monotonic()
             try:
                 await self._session()
                 why = "router closed the connection"
             except Refusal as refusal:
-                if refusal.refused.code in FATAL_REFUSALS:
+                if refusal.fatal:
                     raise
                 why = str(refusal)
             except (OSError, TimeoutError, websockets.WebSocketException) as exc:
                 why = f"{type(exc).__name__}: {exc}"
             finally:
-                self.runner.cancel_all("router connection lost")
-                self.outbox.clear()
+                self._detach()
             if time.monotonic() - connected > STABLE_AFTER_S:
                 attempt = 0
-            delay = self.backoff.delay(attempt)
+            delay = self.backoff.failover_delay(attempt, len(self.urls))
             attempt += 1
+            turn += 1
             self._move(LinkState.WAITING, f"{why}; reconnecting in {delay:.1f} s")
             await asyncio.sleep(delay)
 
+    def _detach(self) -> None:
+        """Keep the jobs running, their output held, for a router to take them back."""
+        self.outbox.detach()
+        held = self.outbox.held()
+        if not held:
+            return
+        log.info(
+            "%d job(s) go on without a router; cancelled if none takes them back in %.0f s",
+            len(held),
+            DETACHED_GRACE_S,
+        )
+        if self._grace is not None:
+            self._grace.cancel()
+        self._grace = asyncio.get_running_loop().call_later(DETACHED_GRACE_S, self._abandon)
+
+    def _abandon(self) -> None:
+        """Cancel the jobs still held: no router resumed them in time."""
+        self._grace = None
+        for job in self.outbox.held():
+            log.warning("job %s: no router took it back; cancelled", job.job_id)
+            self.outbox.discard(job.job_id)
+            self.runner.cancel(job.job_id)
+
     async def _session(self) -> None:
         headers = {"Authorization": f"Bearer {self.gpu_key}"} if self.gpu_key else {}
-        async with websockets.connect(
-            self.url,
-            additional_headers=headers,
-            open_timeout=HANDSHAKE_TIMEOUT_S,
-            ping_interval=20,
-            ping_timeout=20,
-            max_size=64 * 1024 * 1024,
-            compression=None,
-        ) as ws:
-            registered = await self._handshake(ws)
-            self._move(LinkState.REGISTERED, f"as {registered.worker_id}")
-            self.outbox.clear()
-            try:
-                async with asyncio.TaskGroup() as tg:
-                    tg.create_task(self.outbox.pump(ws.send))
-                    tg.create_task(self._heartbeat(registered.heartbeat_interval_s))
-                    await self._read(ws)
-                    raise websockets.ConnectionClosedOK(None, None)  # stop the other two
-            except* (OSError, websockets.WebSocketException) as group:
-                raise group.exceptions[0] from None
+        tls = (self.ssl or True) if self.url.startswith("wss:") else None  # True: system CAs
+        try:
+            async with websockets.connect(
+                self.url,
+                additional_headers=headers,
+                open_timeout=HANDSHAKE_TIMEOUT_S,
+                ping_interval=20,
+                ping_timeout=20,
+                max_size=64 * 1024 * 1024,
+                compression=None,
+                ssl=tls,
+            ) as ws:
+                await self._registered(ws)
+        except ssl.SSLCertVerificationError as exc:
+            raise UntrustedRouter(
+                f"cannot verify the TLS certificate of the router at {self.url} "
+                f"({exc.verify_message}). {_TLS_HINT}"
+            ) from None
+
+    async def _registered(self, ws: ClientConnection) -> None:
+        """Register, then serve the connection until it closes."""
+        registered = await self._handshake(ws)
+        self._move(LinkState.REGISTERED, f"as {registered.worker_id}")
+        if not self.default_model.done():
+            self.default_model.set_result(registered.default_model)
+        # Frames queued while there was no router are stale (the registration said it all);
+        # the held jobs' output stays in their journals until the router resumes each one,
+        # or cancels it (``_abandon`` drops any it ignored).
+        self.outbox.detach()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self.outbox.pump(ws.send))
+                tg.create_task(self._heartbeat(registered.heartbeat_interval_s))
+                await self._read(ws)
+                raise websockets.ConnectionClosedOK(None, None)  # stop the other two
+        except* (OSError, websockets.WebSocketException) as group:
+            raise group.exceptions[0] from None
 
     async def _handshake(self, ws: ClientConnection) -> Registered:
-        await ws.send(encode(self.register()))
+        register = self.register()
+        held = self.outbox.held()
+        if held:
+            register = register.model_copy(update={"running": held})
+            log.info("asking the router to take back %d job(s)", len(held))
+        await ws.send(encode(register))
         async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
             reply = decode_router_message(await ws.recv())
         if isinstance(reply, Refused):
-            raise Refusal(reply)
+            raise RouterRefused(reply)
         if not isinstance(reply, Registered):
             raise websockets.InvalidMessage(f"expected 'registered', got {reply.type!r}")
         return reply
@@ -144,13 +283,31 @@ class RouterLink:
     async def _heartbeat(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
+            ram, gpus = await self.memory.free()
             self.outbox.send(
                 Heartbeat(
                     state=self.backend_state,
                     running_jobs=self.runner.running,
-                    ram_available_bytes=ram_available(),
+                    ram_available_bytes=ram,
+                    gpu_free_bytes=gpus,
                 )
             )
+
+    def _model_control(self, msg: ModelControl) -> None:
+        if self.on_model_control is None or not self.on_model_control(msg):
+            log.warning(
+                "the router asked to %s %s, which is not served here", msg.action, msg.model
+            )
+
+    def _shard_order(self, msg: ShardStart | ShardStop | TunnelDial) -> None:
+        if self.shards is None:
+            log.warning("the router sent %s, but this worker runs no shards", msg.type)
+        elif isinstance(msg, ShardStart):
+            self.shards.start(msg)
+        elif isinstance(msg, ShardStop):
+            self.shards.stop(msg.deployment)
+        else:
+            self.shards.dial(msg)
 
     async def _read(self, ws: ClientConnection) -> None:
         async for frame in ws:
@@ -161,8 +318,17 @@ class RouterLink:
                 return
             match msg:
                 case JobStart():
+                    self.outbox.open(msg.job_id, msg.attempt)
                     self.runner.start(msg)
                 case JobCancel(job_id=job_id):
+                    self.outbox.discard(job_id)
                     self.runner.cancel(job_id)
+                case JobResume(job_id=job_id, from_chunk=from_chunk):
+                    if self.outbox.resume(job_id, from_chunk):
+                        log.info("job %s: resumed from chunk %d", job_id, from_chunk)
+                case ShardStart() | ShardStop() | TunnelDial():
+                    self._shard_order(msg)
+                case ModelControl():
+                    self._model_control(msg)
                 case _:
                     log.warning("unexpected %s frame from the router", msg.type)

@@ -1,7 +1,9 @@
 """llama-server as a supervised subprocess, with its own state machine.
 
     LOADING ──/health ok──▶ READY ──exit or hang──▶ RESTARTING ──backoff──▶ LOADING
-       │                                               │
+       │  ▲                   │                        │
+       │  │                   └──idle_unload_s without jobs──▶ UNLOADED
+       │  └──a job arrives (it waits for READY)──────────────────┘
        └──exit while loading───────────────────────────┘
     too many exits within CRASH_WINDOW_S ──▶ FAILED (stays; the reason names the last log lines)
 
@@ -15,12 +17,13 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import os
 import signal
 import socket
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +59,12 @@ class LlamaServerConfig:
     extra_args: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     max_restarts: int = 5
+    idle_unload_s: float = 0.0
+    """Stop llama-server after this long without jobs (0: never); the next job loads it."""
+    device_args: tuple[str, ...] = ()
+    """``--device``/``--split-mode``/``--tensor-split`` for the GPUs this worker may use."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Variables added to llama-server's environment (e.g. ``CUDA_DEVICE_ORDER``)."""
 
 
 def command(config: LlamaServerConfig, port: int) -> list[str]:
@@ -75,6 +84,7 @@ def command(config: LlamaServerConfig, port: int) -> list[str]:
         "--ctx-size",
         str(config.ctx_size * config.slots),
         "--no-webui",
+        *config.device_args,
     ]
     if config.threads:
         args += ["--threads", str(config.threads)]
@@ -105,6 +115,14 @@ class Exited(Exception):
         self.why = why
 
 
+class Unloaded(Exited):
+    """Stopped on purpose after idling; not a crash."""
+
+
+class NotServing(Exception):
+    """A job waited for llama-server, which failed for good instead of becoming ready."""
+
+
 @dataclass
 class LlamaServer:
     config: LlamaServerConfig
@@ -116,11 +134,47 @@ class LlamaServer:
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
     backoff: Backoff = field(default_factory=lambda: Backoff(base=1.0, cap=30.0))
     _crashes: deque[float] = field(default_factory=deque)
+    _active_jobs: int = 0
+    _last_job_at: float = field(default_factory=time.monotonic)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set on every state change; waiters re-check ``state`` (then clear it themselves)."""
+    _wanted: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when a job needs llama-server while it is unloaded."""
 
     def _move(self, state: BackendState, detail: str) -> None:
         log.info("llama-server %s: %s -> %s %s", self.config.alias, self.state, state, detail)
         self.state, self.detail = state, detail
+        self._changed.set()
+        self._changed = asyncio.Event()
         self.on_state(state, detail)
+
+    @contextlib.asynccontextmanager
+    async def use(self) -> AsyncIterator[None]:
+        """Hold llama-server for one job: load it first if it was unloaded, and wait if it is
+        loading. Jobs in flight keep it from being unloaded.
+
+        Raises ``NotServing`` if it fails for good while the job waits.
+        """
+        self._active_jobs += 1
+        try:
+            while self.state is not BackendState.READY:
+                if self.state is BackendState.FAILED:
+                    raise NotServing(self.detail)
+                if self.state is BackendState.UNLOADED:
+                    self._wanted.set()
+                await self._changed.wait()
+            yield
+        finally:
+            self._active_jobs -= 1
+            self._last_job_at = time.monotonic()
+
+    def _idle_for(self) -> float | None:
+        """Seconds left before an idle unload (<= 0: now), or None when it never unloads."""
+        if not self.config.idle_unload_s:
+            return None
+        if self._active_jobs:
+            return self.config.idle_unload_s
+        return self._last_job_at + self.config.idle_unload_s - time.monotonic()
 
     async def run(self) -> None:
         """Keep llama-server running until cancelled or failed for good."""
@@ -129,6 +183,11 @@ class LlamaServer:
         while True:
             started = time.monotonic()
             exit_ = await self._run_once()
+            if isinstance(exit_, Unloaded):
+                await self._wanted.wait()
+                self._wanted.clear()
+                self._move(BackendState.LOADING, "a job arrived; loading again")
+                continue
             if time.monotonic() - started > CRASH_WINDOW_S:
                 attempt = 0
             now = time.monotonic()
@@ -164,6 +223,7 @@ class LlamaServer:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
+                env={**os.environ, **dict(self.config.env)} if self.config.env else None,
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
             self.pid = proc.pid
@@ -221,12 +281,26 @@ class LlamaServer:
             return False
 
     async def _watch(self, session: aiohttp.ClientSession, waiter: asyncio.Future[int]) -> None:
-        """Liveness: the process is alive *and* /health answers."""
+        """Liveness: the process is alive *and* /health answers. Also unloads when idle."""
         failures = 0
+        self._last_job_at = time.monotonic()
+        next_check = time.monotonic() + HEALTH_PERIOD_S
         while True:
-            done, _ = await asyncio.wait([waiter], timeout=HEALTH_PERIOD_S)
+            idle_left = self._idle_for()
+            if idle_left is not None and idle_left <= 0:
+                idle = self.config.idle_unload_s
+                # Before stopping it, so no new job is let through to a dying process.
+                self._move(BackendState.UNLOADED, f"no jobs for {idle:g} s; memory freed")
+                raise Unloaded(None, "idle")
+            wait = next_check - time.monotonic()
+            if idle_left is not None:
+                wait = min(wait, idle_left)
+            done, _ = await asyncio.wait([waiter], timeout=max(wait, 0.0))
             if done:
                 raise Exited(waiter.result(), f"exited with code {waiter.result()}")
+            if time.monotonic() < next_check:
+                continue
+            next_check = time.monotonic() + HEALTH_PERIOD_S
             failures = 0 if await self._healthy(session) else failures + 1
             if failures >= HEALTH_FAILURES_BEFORE_RESTART:
                 raise Exited(None, f"/health failed {failures} times in a row")

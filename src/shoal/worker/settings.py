@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
-from shoal.models.default import DEFAULT_MODEL
+from shoal.llama_cpp.options import LlamaCppOptions
 from shoal.protocol.messages import WS_PATH
-from shoal.settings import CommonSettings
+
+REDIS_SCHEMES = frozenset({"redis", "rediss", "unix"})
 
 
 def router_ws_url(router_url: str) -> str:
@@ -26,17 +30,70 @@ def router_ws_url(router_url: str) -> str:
     return url
 
 
-class WorkerSettings(CommonSettings):
+class WorkerSettings(LlamaCppOptions):
     router_url: str = Field(
         "127.0.0.1:8000",
-        description="The router to dial: host:port, or a ws:// or wss:// URL.",
+        description="The router to dial: host:port, or a ws:// or wss:// URL. Several, "
+        "comma-separated (routers sharing one Redis): the worker fails over between them.",
     )
     gpu_key: SecretStr | None = Field(
         None, description="Key this worker presents to the router (the router's --gpu-key)."
     )
+    tls_ca: Path | None = Field(
+        None,
+        description="CA certificate (PEM) that signed the router's TLS certificate, for a "
+        "wss:// router with a private CA (default: the system's trusted CAs).",
+    )
+    redis_url: SecretStr | None = Field(
+        None,
+        description="Pull mode: take jobs straight from this Redis (the routers' --redis-url, "
+        "e.g. redis://:PASSWORD@HOST:6379/0) instead of dialing a router; --router-url and "
+        "--gpu-key are then unused.",
+    )
+    redis_prefix: str = Field(
+        "shoal:", description="With --redis-url: prefix of every Redis key (the routers' value)."
+    )
+    queue_lease: float = Field(
+        30.0,
+        ge=3.0,
+        description="With --redis-url: seconds after which a job whose holder stopped renewing "
+        "it is taken over; use the routers' lease (their --queue-lease, by default twice their "
+        "heartbeat timeout: 30 s).",
+    )
     name: str = Field(default_factory=socket.gethostname, description="Name shown for this worker.")
-    model: str = Field(
-        DEFAULT_MODEL.id, description="Model to serve: a known model id or a path to a .gguf file."
+    model: str | None = Field(
+        None,
+        description="Model to serve: a catalog id (`shoal models list`), a path to a .gguf "
+        "file, or a model-store id with --model-store. Default: the router's default model "
+        "(with --redis-url: Shoal's default model).",
+    )
+    model_path: Path | None = Field(
+        None,
+        description="Serve this local .gguf file (air-gapped: nothing is downloaded). Its "
+        "public name is --model-alias, else --model, else the file name.",
+    )
+    quantization: str | None = Field(
+        None,
+        description="Quantization to download for a catalog model (e.g. Q4_K_M). Default: the "
+        "best one that fits this machine's free memory.",
+    )
+    offline: bool = Field(
+        False,
+        description="Never download: use only cached or pre-staged models (as HF_HUB_OFFLINE=1).",
+    )
+    gpu_devices: str | None = Field(
+        None,
+        description="Comma-separated GPU indices to use (as nvidia-smi/rocm-smi number them); "
+        "the model is split across them by free memory. Default: all.",
+    )
+    split_mode: Literal["layer", "row", "none"] = Field(
+        "layer", description="How llama.cpp splits a model across several GPUs."
+    )
+    idle_unload: float = Field(
+        0.0,
+        ge=0,
+        description="Stop llama-server after this many idle seconds to free memory; it loads "
+        "again on the next job, which waits. 0 keeps it loaded.",
     )
     model_store: str | None = Field(
         None,
@@ -58,8 +115,46 @@ class WorkerSettings(CommonSettings):
     backend_api_key: SecretStr | None = Field(
         None, description="API key for the attached backend, if it needs one."
     )
-    llama_server_path: Path | None = Field(
-        None, description="llama-server binary to use instead of the cached or built one."
+    image_model: str | None = Field(
+        None,
+        description="Image model to serve (txt2img/img2img), alone or next to --model: a "
+        "diffusers pipeline folder, a .safetensors checkpoint, or a Hugging Face repo id; "
+        "several, comma-separated, to switch between them on request. Needs the image extra: "
+        "pip install 'shoal[image]'.",
+    )
+    image_model_alias: str | None = Field(
+        None,
+        description="Public name of the (one) image model (default: its folder, file or repo "
+        "name).",
+    )
+    image_max_loaded: int = Field(
+        1,
+        ge=1,
+        description="Image models kept in memory at once; a job for another one unloads the "
+        "one used longest ago first.",
+    )
+    image_backend_url: str | None = Field(
+        None,
+        description="Serve images from an Automatic1111/Forge-compatible server at this URL "
+        "(its /sdapi/v1 API) instead of loading a model here; --image-model then names the "
+        "checkpoint it should switch to (default: whatever it has loaded).",
+    )
+    image_device: str | None = Field(
+        None, description="PyTorch device for --image-model (default: cuda when present, else cpu)."
+    )
+    image_config: str | None = Field(
+        None,
+        description="For a single-file --image-model checkpoint: a diffusers pipeline folder "
+        "(its JSON configs are enough) or Hub repo id of the same architecture (default: a "
+        "folder next to the checkpoint named like it, else diffusers fetches configs from the "
+        "Hub, which needs a connection).",
+    )
+    image_slots: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Image jobs a worker without a text model takes at once (they run one "
+        "after another on its one pipeline; more only queue here instead of at the router).",
     )
     slots: int = Field(4, ge=1, le=4096, description="Requests served at once (llama-server -np).")
     ctx_size: int = Field(
@@ -75,6 +170,32 @@ class WorkerSettings(CommonSettings):
     max_restarts: int = Field(
         5, ge=0, description="Crashes within a minute after which llama-server is not restarted."
     )
+    rpc_host: str | None = Field(
+        None,
+        description="Direct mode for split models, trusted networks only: the IPv4 address "
+        "this worker's ggml-rpc-server (which has no authentication) listens on for a head to "
+        "dial. Default: it listens on 127.0.0.1 only, reached through the router's tunnel.",
+    )
+
+    @field_validator("router_url")
+    @classmethod
+    def _router_url_ok(cls, value: str) -> str:
+        if not any(u.strip() for u in value.split(",")):
+            raise ValueError("give at least one router URL (host:port, or a ws:// or wss:// URL)")
+        return value
+
+    @field_validator("rpc_host")
+    @classmethod
+    def _rpc_host_ok(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                ipaddress.IPv4Address(value)
+            except ValueError:
+                raise ValueError(
+                    f"rpc_host must be an IPv4 address (ggml-rpc-server takes no names), "
+                    f"got {value!r}"
+                ) from None
+        return value
 
     @field_validator("name")
     @classmethod
@@ -83,6 +204,25 @@ class WorkerSettings(CommonSettings):
             raise ValueError("name must not be empty")
         return value.strip()
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url_ok(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and urlsplit(value.get_secret_value()).scheme not in REDIS_SCHEMES:
+            raise ValueError(
+                "redis_url must start with redis://, rediss:// or unix:// "
+                "(e.g. redis://127.0.0.1:6379/0)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _images_not_in_pull_mode(self) -> WorkerSettings:
+        if self.redis_url is not None and (self.image_model or self.image_backend_url):
+            raise ValueError(
+                "image models are not served in pull mode (--redis-url) yet; run the image "
+                "worker against a router (--router-url)"
+            )
+        return self
+
     @property
-    def ws_url(self) -> str:
-        return router_ws_url(self.router_url)
+    def ws_urls(self) -> tuple[str, ...]:
+        return tuple(router_ws_url(u) for u in self.router_url.split(",") if u.strip())

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from shoal import __version__
+from shoal.protocol.messages import BackendState
 from shoal.router.context import context
 from shoal.router.routes.common import json_response
 
@@ -14,24 +15,34 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """The router is up. ``status`` is ``ok`` when at least one worker is ready."""
+    """The router is up. ``status`` is ``ok`` when at least one worker is ready.
+
+    With Redis (``"queue": "redis"``) the workers and models are the cluster's: this
+    router's and, as of the worker directory's last sync, every other router's. No Redis
+    call is made here, so the answer stays cheap (the endpoint is open)."""
     ctx = context(request)
-    workers = list(ctx.registry)
-    ready = sum(1 for w in workers if w.ready)
+    local = list(ctx.registry)
+    remote = ctx.dispatcher.remote_workers()
+    ready = sum(1 for w in local if w.ready)
+    ready += sum(1 for r in remote if r.state is BackendState.READY)
+    models = set(ctx.registry.models()) | {m.name for r in remote for m in r.models}
     return json_response(
         {
             "status": "ok" if ready else "no_ready_workers",
             "version": __version__,
-            "workers": len(workers),
+            "queue": ctx.dispatcher.queue_backend,
+            "workers": len(local) + len(remote),
             "ready_workers": ready,
-            "models": sorted(ctx.registry.models()),
+            "models": sorted(models),
         }
     )
 
 
 @router.get("/api/v1/workers")
 async def workers(request: Request) -> Response:
-    """Every connected worker: hardware, models, state, slots in use."""
+    """Every connected worker: hardware, models, state, slots in use (admin key).
+
+    With Redis, the workers of every router on it, each marked with its ``router``."""
     ctx = context(request)
-    ctx.keys.client(request.headers)
-    return json_response({"object": "list", "data": [w.summary() for w in ctx.registry]})
+    await ctx.keys.admin(request.headers)
+    return json_response({"object": "list", "data": ctx.dispatcher.worker_summaries()})

@@ -1,13 +1,22 @@
-"""What the OpenAI-compatible inference routes share: parse, check, submit, respond."""
+"""What the OpenAI-compatible inference routes share: read, check, submit, respond.
+
+A request is read and checked (``router/requests.py``) before it is queued, then admitted
+against its key's limits, answered from the result cache or queued for a worker.
+
+The FastAPI routes at the end are the documented (OpenAPI) form of the same endpoints; their
+request schemas are what tests/e2e/test_fuzz.py fuzzes.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
 from fastapi import APIRouter, Request
 from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -16,67 +25,62 @@ from shoal.protocol.messages import Endpoint
 from shoal.router.context import RouterContext, context
 from shoal.router.errors import BadRequest, RouterError, error_response
 from shoal.router.relay import JobResponse
+from shoal.router.requests import (
+    MAX_CHOICES,
+    TOKEN_FIELDS,
+    RequestLimits,
+    check_body,
+    json_body,
+    read_body,
+)
+from shoal.router.result_cache import CacheFill, cache_key, cache_policy, replay
 
 log = logging.getLogger(__name__)
 
-REQUIRED_FIELD = {
-    Endpoint.CHAT: "messages",
-    Endpoint.COMPLETIONS: "prompt",
-    Endpoint.EMBEDDINGS: "input",
-}
 
-OPENAPI_BODY: dict[str, Any] = {
-    "requestBody": {
-        "required": True,
-        "content": {"application/json": {"schema": {"type": "object"}}},
-    }
-}
-
-
-def json_body(raw: bytes) -> dict[str, Any]:
+async def submit(ctx: RouterContext, endpoint: Endpoint, headers: Headers, raw: bytes) -> Response:
+    """Check key, body and the key's limits, queue the job, and return the response that will
+    answer it."""
+    principal = await ctx.keys.client(headers)
+    limits = RequestLimits.of(ctx.settings)
+    checked = check_body(endpoint, json_body(raw), ctx.settings.default_model, limits)
+    fill = None
+    if ctx.cache is not None:  # hits are answered here and cost the key nothing
+        key = cache_key(checked.model, endpoint, checked.body, scope=principal.key_id)
+        policy = cache_policy(headers)
+        if key is not None and policy.read and (hit := await ctx.cache.get(key)) is not None:
+            return replay(hit, stream=checked.stream)
+        if key is not None and policy.write:
+            fill = CacheFill(ctx.cache, key, stream=checked.stream)
+    ticket = await ctx.accounting.admit(
+        principal, stream=checked.stream, max_tokens=_reserve(checked.body)
+    )
     try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(
-            f"The request body is not valid JSON ({exc.msg} at position {exc.pos}). "
-            "Send a JSON object with Content-Type: application/json."
-        ) from None
-    if not isinstance(body, dict):
-        raise BadRequest("The request body must be a JSON object.")
-    return body
+        model = ModelName(checked.model)
+        job = ctx.dispatcher.submit(model, endpoint, checked.stream, checked.body)
+    except RouterError:
+        await ctx.accounting.release(ticket)
+        raise
+    job.key_id = principal.key_id
+    return JobResponse(job, ctx.dispatcher, ctx.accounting, ticket, fill)
 
 
-def check_body(endpoint: Endpoint, body: dict[str, Any], default_model: str) -> tuple[str, bool]:
-    """The public model name and whether to stream; 400 for what cannot work."""
-    model = body.get("model", default_model)
-    if not isinstance(model, str) or not model:
-        raise BadRequest("'model' must be a non-empty string.", param="model")
-    required = REQUIRED_FIELD[endpoint]
-    if required not in body:
-        raise BadRequest(f"'{required}' is required for {endpoint.path}.", param=required)
-    if endpoint is Endpoint.CHAT:
-        messages = body["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("'messages' must be a non-empty array.", param="messages")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be true or false.", param="stream")
-    if stream and endpoint is Endpoint.EMBEDDINGS:
-        raise BadRequest("Embeddings cannot be streamed.", param="stream")
-    return model, stream
+def _reserve(body: dict[str, Any]) -> int:
+    """Tokens to hold against a tokens/min limit until the answer's real count is known."""
+    for field in ("max_completion_tokens", "max_tokens"):
+        value = body.get(field)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
 
 
-def submit(ctx: RouterContext, endpoint: Endpoint, headers: Headers, raw: bytes) -> JobResponse:
-    """Check key and body, queue the job, and return the response that will answer it."""
-    ctx.keys.client(headers)
-    body = json_body(raw)
-    model, stream = check_body(endpoint, body, ctx.settings.default_model)
-    job = ctx.dispatcher.submit(ModelName(model), endpoint, stream, body)
-    return JobResponse(job, ctx.dispatcher)
-
-
-async def run(request: Request, endpoint: Endpoint) -> JobResponse:
-    return submit(context(request), endpoint, request.headers, await request.body())
+async def run(request: Request, endpoint: Endpoint) -> Response:
+    ctx = context(request)
+    try:
+        raw = await read_body(request.stream(), request.headers, ctx.settings.max_body_bytes)
+    except ClientDisconnect:
+        raise BadRequest("The client disconnected before the request body arrived.") from None
+    return await submit(ctx, endpoint, request.headers, raw)
 
 
 FAST_PATHS = {
@@ -103,9 +107,11 @@ class FastPath:
         if endpoint is None or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
+        headers = Headers(scope=scope)
+        started = time.monotonic()
         try:
-            raw = await _read_body(receive)
-            response: Response = submit(self.ctx, endpoint, Headers(scope=scope), raw)
+            raw = await read_body(_chunks(receive), headers, self.ctx.settings.max_body_bytes)
+            response: Response = await submit(self.ctx, endpoint, headers, raw)
         except RouterError as exc:
             response = error_response(exc)
         except ClientDisconnected:
@@ -113,40 +119,157 @@ class FastPath:
         except Exception:  # the one place the fast path turns a bug into a clean 500
             log.exception("unhandled error on POST %s", scope["path"])
             response = error_response(RouterError("Internal error in the router; see its log."))
-        await response(scope, receive, send)
+        try:
+            await response(scope, receive, send)
+        finally:
+            status = response.status_code or CLIENT_CLOSED
+            elapsed = time.monotonic() - started
+            self.ctx.accounting.metrics.request_finished(scope["path"], status, elapsed)
+
+
+CLIENT_CLOSED = 499
+"""Status counted for a response the client left before it started (nginx's convention)."""
 
 
 class ClientDisconnected(Exception):
     pass
 
 
-async def _read_body(receive: Receive) -> bytes:
-    chunks = []
+async def _chunks(receive: Receive) -> AsyncIterator[bytes]:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientDisconnected
-        chunks.append(message.get("body", b""))
+        yield message.get("body", b"")
         if not message.get("more_body", False):
-            return b"".join(chunks)
+            return
 
+
+_TEXT: dict[str, Any] = {"type": "string", "maxLength": 4096}
+_TOKEN_IDS: dict[str, Any] = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+_MESSAGE: dict[str, Any] = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {
+        "role": {"type": "string", "enum": ["system", "user", "assistant"]},
+        "content": _TEXT,
+        "name": {"type": "string", "maxLength": 64},
+    },
+}
+_COMMON: dict[str, Any] = {
+    "model": {
+        "type": "string",
+        "minLength": 1,
+        "description": "A model from GET /v1/models. Default: the router's --default-model.",
+    },
+    "user": {"type": "string", "maxLength": 256},
+}
+_GENERATION: dict[str, Any] = {
+    **_COMMON,
+    "stream": {"type": "boolean", "default": False, "description": "Answer as SSE events."},
+    "stream_options": {
+        "type": "object",
+        "properties": {"include_usage": {"type": "boolean"}},
+    },
+    **{
+        name: {
+            "type": ["integer", "null"],
+            "minimum": 1,
+            "description": "Most tokens to generate; the router may cap it (--max-tokens-limit).",
+        }
+        for name in TOKEN_FIELDS
+    },
+    "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "seed": {"type": "integer"},
+    "stop": {"anyOf": [_TEXT, {"type": "array", "items": _TEXT, "maxItems": 4}]},
+}
+CHAT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["messages"],
+    "properties": {
+        **_GENERATION,
+        "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+    },
+}
+COMPLETION_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["prompt"],
+    "properties": {
+        **_GENERATION,
+        "prompt": {"anyOf": [_TEXT, {"type": "array", "items": _TEXT}, _TOKEN_IDS]},
+    },
+}
+EMBEDDING_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["input"],
+    "properties": {
+        **_COMMON,
+        "input": {"anyOf": [_TEXT, {"type": "array", "items": _TEXT, "minItems": 1}]},
+        "encoding_format": {"type": "string", "enum": ["float", "base64"]},
+    },
+}
+
+
+def _request_body(schema: dict[str, Any], example: dict[str, Any]) -> dict[str, Any]:
+    """``openapi_extra`` declaring a JSON request body (the handlers read it themselves)."""
+    media = {"schema": schema, "example": example}
+    return {"requestBody": {"required": True, "content": {"application/json": media}}}
+
+
+_HELLO = {"role": "user", "content": "Say hello."}
+
+
+_OBJECT = {"schema": {"type": "object"}}
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "A JSON chunk, or [DONE]."}},
+}
+_GENERATED: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The answer as JSON; with stream=true, SSE events ending in [DONE].",
+        "content": {
+            "application/json": _OBJECT,
+            "text/event-stream": {"schema": _SSE_EVENT},
+        },
+    }
+}
+_EMBEDDED: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The embeddings.", "content": {"application/json": _OBJECT}}
+}
 
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions", openapi_extra=OPENAPI_BODY)
+@router.post(
+    "/v1/chat/completions",
+    openapi_extra=_request_body(CHAT_SCHEMA, {"messages": [_HELLO], "max_tokens": 8}),
+    responses=_GENERATED,
+)
 async def chat_completions(request: Request) -> Response:
     """Chat completion, streamed (SSE) or not, passed through to a worker's backend."""
     return await run(request, Endpoint.CHAT)
 
 
-@router.post("/v1/completions", openapi_extra=OPENAPI_BODY)
+@router.post(
+    "/v1/completions",
+    openapi_extra=_request_body(COMPLETION_SCHEMA, {"prompt": "Once upon a time", "max_tokens": 8}),
+    responses=_GENERATED,
+)
 async def completions(request: Request) -> Response:
     """Text completion, streamed (SSE) or not, passed through to a worker's backend."""
     return await run(request, Endpoint.COMPLETIONS)
 
 
-@router.post("/v1/embeddings", openapi_extra=OPENAPI_BODY)
+@router.post(
+    "/v1/embeddings",
+    openapi_extra=_request_body(EMBEDDING_SCHEMA, {"input": "Hello"}),
+    responses=_EMBEDDED,
+)
 async def embeddings(request: Request) -> Response:
     """Embeddings, from workers that serve the model with --embedding."""
     return await run(request, Endpoint.EMBEDDINGS)

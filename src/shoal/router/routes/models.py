@@ -2,25 +2,61 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from typing import Literal
+
 from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 from shoal.protocol.ids import ModelName
-from shoal.protocol.messages import BackendState
+from shoal.protocol.messages import BackendState, ModelControl, ModelInfo
 from shoal.router.context import context
-from shoal.router.errors import ModelNotFound
+from shoal.router.errors import BadRequest, ModelNotFound
 from shoal.router.routes.common import json_response
 
 router = APIRouter()
 
 
+_STATE_ORDER = (
+    BackendState.READY,
+    BackendState.UNLOADED,
+    BackendState.LOADING,
+    BackendState.RESTARTING,
+    BackendState.FAILED,
+)
+
+
+def model_state(states: Counter[BackendState]) -> str:
+    """A model's state is the best of its workers': ready beats unloaded beats loading..."""
+    return next((s.value for s in _STATE_ORDER if states[s]), BackendState.FAILED.value)
+
+
+def _served(request: Request, name: ModelName) -> list[tuple[BackendState, float, ModelInfo]]:
+    """The workers serving ``name``: this router's, then other routers' (with Redis)."""
+    ctx = context(request)
+    served = [
+        (m.state or w.backend_state, w.connected_at, m) for w, m in ctx.registry.model_info(name)
+    ]
+    for r in ctx.dispatcher.remote_workers():
+        served += [(m.state or r.state, r.connected_at, m) for m in r.models if m.name == name]
+    return served
+
+
+def _model_names(request: Request) -> set[str]:
+    ctx = context(request)
+    remote = {m.name for r in ctx.dispatcher.remote_workers() for m in r.models}
+    return set(ctx.registry.models()) | remote
+
+
 def _model_entry(request: Request, name: str) -> dict[str, object]:
     ctx = context(request)
-    served = ctx.registry.model_info(ModelName(name))
-    created = int(min((w.connected_at for w, _ in served), default=0))
-    ready = sum(1 for w, _ in served if w.backend_state is BackendState.READY)
-    endpoints = sorted({e.path for _, m in served for e in m.endpoints})
-    ctx_len = max((m.context_length or 0 for _, m in served), default=0) or None
+    served = _served(request, ModelName(name))
+    created = int(min((at for _, at, _ in served), default=0))
+    ready = sum(1 for state, _, _ in served if state is BackendState.READY)
+    states = Counter(state for state, _, _ in served)
+    endpoints = sorted({e.path for _, _, m in served for e in m.endpoints})
+    ctx_len = max((m.context_length or 0 for _, _, m in served), default=0) or None
     return {
         "id": name,
         "object": "model",
@@ -28,6 +64,8 @@ def _model_entry(request: Request, name: str) -> dict[str, object]:
         "owned_by": "shoal",
         "workers": len(served),
         "ready_workers": ready,
+        "state": model_state(states),
+        "workers_by_state": {state.value: n for state, n in sorted(states.items())},
         "endpoints": endpoints,
         "context_length": ctx_len,
         "queued": ctx.dispatcher.queued(ModelName(name)),
@@ -38,8 +76,8 @@ def _model_entry(request: Request, name: str) -> dict[str, object]:
 async def list_models(request: Request) -> Response:
     """Models served by at least one connected worker."""
     ctx = context(request)
-    ctx.keys.client(request.headers)
-    names = sorted(ctx.registry.models())
+    await ctx.keys.client(request.headers)
+    names = sorted(_model_names(request))
     return json_response({"object": "list", "data": [_model_entry(request, n) for n in names]})
 
 
@@ -47,9 +85,60 @@ async def list_models(request: Request) -> Response:
 async def get_model(request: Request, model_id: str) -> Response:
     """One model, or 404."""
     ctx = context(request)
-    ctx.keys.client(request.headers)
-    if model_id not in ctx.registry.models():
+    await ctx.keys.client(request.headers)
+    if model_id not in _model_names(request):
         raise ModelNotFound(
             f"The model {model_id!r} is not served by any connected worker.", param="model"
         )
     return json_response(_model_entry(request, model_id))
+
+
+class ControlRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="A model that loads and unloads on request (image models).")
+    worker: str | None = Field(None, description="Only this worker (name or id); default: all.")
+
+
+@router.post("/api/v1/models/load", status_code=202)
+async def load_model(request: Request, body: ControlRequest) -> Response:
+    """Load a model now on the workers that serve it (making room as a job would)."""
+    return await _control(request, body, "load")
+
+
+@router.post("/api/v1/models/unload", status_code=202)
+async def unload_model(request: Request, body: ControlRequest) -> Response:
+    """Unload a model on the workers that serve it; its next job loads it again."""
+    return await _control(request, body, "unload")
+
+
+async def _control(
+    request: Request, body: ControlRequest, action: Literal["load", "unload"]
+) -> Response:
+    ctx = context(request)
+    await ctx.keys.admin(request.headers)
+    served = [
+        (w, m)
+        for w, m in ctx.registry.model_info(ModelName(body.model))
+        if body.worker is None or body.worker in (w.id, w.name)
+    ]
+    if not served:
+        raise ModelNotFound(
+            f"No worker connected to this router serves {body.model!r}"
+            + (f" as {body.worker!r}" if body.worker else "")
+            + ". GET /v1/models lists what is served.",
+            param="model",
+        )
+    if all(m.state is None for _, m in served):
+        raise BadRequest(
+            f"{body.model!r} is loaded for as long as its worker runs; only models that load "
+            "and unload on their own (image models) can be loaded or unloaded on request. "
+            "Use --idle-unload on the worker to free a text model's memory when idle.",
+            param="model",
+        )
+    told = []
+    for worker, info in served:
+        if info.state is not None:
+            worker.send(ModelControl(model=info.name, action=action))
+            told.append({"worker": worker.id, "worker_name": worker.name, "was": info.state})
+    return json_response({"model": body.model, "action": action, "workers": told}, status=202)

@@ -9,18 +9,15 @@ and returns the pure planner's answer as JSON. A model that does not fit is an a
 from __future__ import annotations
 
 import asyncio
-import functools
-import math
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
-from shoal.controller.placement import ModelProfile, Node, NoFit, Shard, Strategy, plan
+from shoal.controller.placement import Node, NoFit, Shard, Strategy
+from shoal.controller.profile import gguf_info, plan_for
 from shoal.models.errors import ModelError
-from shoal.models.gguf_info import KV_CTX_PAD, GGUFInfo, inspect, kv_bytes_per_token
 from shoal.models.resolve import resolve_model
 from shoal.router.context import context
 from shoal.router.errors import BadRequest, ModelNotFound
@@ -28,9 +25,6 @@ from shoal.router.routes.common import json_response
 from shoal.router.workers import WorkerConnection
 
 router = APIRouter()
-
-COMPUTE_MARGIN = 0.10
-COMPUTE_FLOOR_BYTES = 64 * 1024 * 1024
 
 
 class PlanRequest(BaseModel):
@@ -44,40 +38,19 @@ class PlanRequest(BaseModel):
     strategy: Strategy = Strategy.PROPORTIONAL
 
 
-@functools.lru_cache(maxsize=16)
-def _inspect_cached(path: Path, mtime_ns: int, size: int) -> GGUFInfo:
-    return inspect(path)
-
-
-def profile_of(info: GGUFInfo, ctx: int) -> ModelProfile:
-    """The planner's view of a model: per-layer weights and KV, head and tail, compute."""
-    layers = range(info.n_layers)
-    weights = sum(layer.nbytes for layer in info.layers)
-    kv_total = kv_bytes_per_token(info, layers) * ctx
-    return ModelProfile(
-        n_layers=info.n_layers,
-        layer_weight_bytes=tuple(layer.nbytes for layer in info.layers),
-        kv_bytes_per_token=tuple(kv_bytes_per_token(info, range(i, i + 1)) for i in layers),
-        head_bytes=info.head_bytes,
-        tail_bytes=info.tail_bytes,
-        compute_bytes=math.ceil(COMPUTE_MARGIN * (weights + kv_total)) + COMPUTE_FLOOR_BYTES,
-    )
-
-
 @router.post("/api/v1/pipeline/plan")
 async def plan_pipeline(request: Request, body: PlanRequest) -> Response:
     """Dry run: the layer split over workers for a model at a context size, as JSON."""
     ctx = context(request)
-    ctx.keys.client(request.headers)
+    await ctx.keys.admin(request.headers)
     try:
         local = resolve_model(body.model, ctx.settings.cache_dir, download=False)
     except ModelError as exc:
         raise ModelNotFound(str(exc), param="model") from None
-    stat = local.path.stat()
-    info = await asyncio.to_thread(_inspect_cached, local.path, stat.st_mtime_ns, stat.st_size)
+    info = await asyncio.to_thread(gguf_info, local.path)
     nodes = _nodes(request, body.workers)
-    cells = math.ceil(body.ctx / KV_CTX_PAD) * KV_CTX_PAD  # llama.cpp pads the KV cache
-    result = plan(profile_of(info, cells), nodes, cells, body.strategy)
+    planned = plan_for(info, nodes, body.ctx, body.strategy)
+    cells, result = planned.cells, planned.result
     answer: dict[str, Any] = {"model": local.id, "n_layers": info.n_layers, "ctx": cells}
     if isinstance(result, NoFit):
         answer.update(

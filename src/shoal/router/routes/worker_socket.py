@@ -23,6 +23,7 @@ from shoal.protocol.messages import (
     Refused,
     Register,
     Registered,
+    ShardStatus,
     decode_chunk_items,
     decode_worker_message,
     encode,
@@ -87,7 +88,7 @@ async def worker_socket(ws: WebSocket) -> None:
     await ws.accept()
     peer = _peer(ws)
     try:
-        if not ctx.keys.worker(ws.headers):
+        if not await ctx.keys.worker(ws.headers):
             raise Refusal(RefusalCode.BAD_KEY, "the GPU key is missing or wrong (--gpu-key)")
         async with asyncio.timeout(REGISTER_TIMEOUT_S):
             msg = parse_register(await ws.receive_text(), ctx)
@@ -111,9 +112,12 @@ async def worker_socket(ws: WebSocket) -> None:
             worker_id=worker.id,
             heartbeat_interval_s=ctx.settings.heartbeat_interval,
             router_version=__version__,
+            default_model=ctx.settings.default_model,
         )
     )
-    ctx.dispatcher.on_registered(worker)
+    ctx.dispatcher.on_registered(worker, msg.running)
+    if ctx.deployments is not None:
+        ctx.deployments.on_registered(worker)
     why = "connection closed"
     try:
         async with asyncio.TaskGroup() as tg:
@@ -134,6 +138,8 @@ async def worker_socket(ws: WebSocket) -> None:
     finally:
         worker.move(ConnState.CLOSED, why)
         ctx.dispatcher.on_lost(worker, why)
+        if ctx.deployments is not None:
+            ctx.deployments.on_lost(worker)
 
 
 async def _read(ws: WebSocket, worker: WorkerConnection, ctx: RouterContext) -> None:
@@ -149,8 +155,13 @@ async def _read(ws: WebSocket, worker: WorkerConnection, ctx: RouterContext) -> 
             items = decode_chunk_items(frame)
             if items is not None:
                 dispatcher.on_chunks(worker, items)
+                continue
+            msg = decode_worker_message(frame)
+            if isinstance(msg, ShardStatus):
+                if ctx.deployments is not None:
+                    ctx.deployments.on_shard(worker, msg)
             else:
-                dispatcher.on_message(worker, decode_worker_message(frame))
+                dispatcher.on_message(worker, msg)
         except (ValidationError, ValueError) as exc:
             log.warning("worker %s sent a malformed frame: %s", worker.id, exc)
             raise ProtocolViolation(str(exc).splitlines()[0]) from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -49,16 +50,17 @@ def test_flags_beat_env_which_beats_defaults(monkeypatch: pytest.MonkeyPatch) ->
     assert "k1" not in repr(s)  # secrets never print
 
 
-def test_router_refuses_open_network_without_keys() -> None:
+def test_router_refuses_open_network_without_keys(tmp_path: Path) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "shoal", "router", "--host", "0.0.0.0"],
         capture_output=True,
         text=True,
-        env=clean_env(),
+        env=clean_env(SHOAL_DATABASE_URL=f"sqlite:///{tmp_path}/shoal.db"),
         timeout=30,
     )
     assert r.returncode == 2
-    assert "refusing to listen on 0.0.0.0 without --api-key" in r.stderr
+    assert "refusing to listen on 0.0.0.0 without API keys (--api-key, or `shoal keys" in r.stderr
+    assert "and GPU keys (--gpu-key" in r.stderr
     assert "Traceback" not in r.stderr
 
 
@@ -72,3 +74,31 @@ def test_bad_option_value_is_a_clear_error() -> None:
     )
     assert r.returncode == 2 and "invalid option: port" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_worker_install_dry_run_and_uninstall_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from shoal.cli.main import main
+
+    code = main(
+        [
+            "worker",
+            "install",
+            "--name",
+            "qwen",
+            "--gpu-key",
+            "s3cret-key",
+            "--router-url",
+            "10.0.0.5:8000",
+            "--model",
+            "qwen2.5-7b-instruct",
+            "--user",
+            "--dry-run",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "s3cret-key" not in out and 'SHOAL_GPU_KEY="***"' in out
+    assert "worker --router-url 10.0.0.5:8000 --name qwen --model qwen2.5-7b-instruct" in out
+    assert "systemctl --user enable shoal-worker-qwen.service" in out
+    code = main(["worker", "uninstall", "--name", "no-such-worker", "--user", "--dry-run"])
+    assert code == 2 and "no-such-worker" in capsys.readouterr().err

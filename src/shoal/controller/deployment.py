@@ -1,0 +1,129 @@
+"""A deployment of one model split over workers: what was asked, and where it stands.
+
+``DeploymentSpec`` is what the operator asked for (``POST /api/v1/pipeline/deploy``) and is
+persisted; ``Deployment`` adds the live state, which the controller rebuilds after a router
+restart. The lifecycle::
+
+    PENDING ──a plan fits──▶ STARTING ──stages ready, then the head──▶ SERVING
+       ▲                        │                                        │
+       └──────── redeploy ◀── DEGRADED ◀──── a shard failed or its worker left
+    any ──undeploy──▶ (gone)
+
+PENDING waits for workers (with the reason, e.g. the memory shortfall); DEGRADED answers
+requests with 503 + ``Retry-After`` until the redeploy is SERVING again.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from shoal.controller.placement import Plan, Strategy
+from shoal.protocol.messages import DevicePlacement, ShardRole, ShardState
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["relayed", "direct"]
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+
+
+class DeploymentState(enum.StrEnum):
+    PENDING = "pending"
+    STARTING = "starting"
+    SERVING = "serving"
+    DEGRADED = "degraded"
+
+
+_ALLOWED: dict[DeploymentState, set[DeploymentState]] = {
+    DeploymentState.PENDING: {DeploymentState.STARTING, DeploymentState.PENDING},
+    DeploymentState.STARTING: {
+        DeploymentState.SERVING,
+        DeploymentState.DEGRADED,
+        DeploymentState.PENDING,
+    },
+    DeploymentState.SERVING: {DeploymentState.DEGRADED, DeploymentState.PENDING},
+    DeploymentState.DEGRADED: {
+        DeploymentState.STARTING,
+        DeploymentState.PENDING,
+        DeploymentState.DEGRADED,
+    },
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentSpec:
+    """What was asked: persisted, and the same on every router."""
+
+    name: str
+    """The public model name the split model is served under."""
+    source: str
+    """The model: a catalog id, a model-store id or a .gguf path (the head loads it)."""
+    ctx: int
+    strategy: Strategy
+    workers: tuple[str, ...] | None
+    """Worker names or ids in pipeline order (the first is the head); None: any."""
+    mode: Mode
+    slots: int = 1
+    created_at: float = field(default_factory=time.time)
+
+
+@dataclass(eq=False, slots=True)
+class ShardView:
+    """One shard as the controller sees it."""
+
+    worker_id: str
+    role: ShardRole
+    first_layer: int
+    last_layer: int
+    planned_bytes: int
+    free_bytes: int
+    state: ShardState = ShardState.STARTING
+    detail: str = ""
+    build: str = ""
+    rpc_address: str | None = None
+    placement: tuple[DevicePlacement, ...] = ()
+
+
+@dataclass(eq=False, slots=True)
+class Deployment:
+    spec: DeploymentSpec
+    state: DeploymentState = DeploymentState.PENDING
+    detail: str = "waiting for workers"
+    plan: Plan | None = None
+    shards: list[ShardView] = field(default_factory=list)
+    attempts: int = 0
+    """Deploy attempts since it last served (for the retry backoff)."""
+    retry_at: float = 0.0
+    changed_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def head(self) -> ShardView | None:
+        return self.shards[0] if self.shards else None
+
+    @property
+    def stages(self) -> list[ShardView]:
+        return self.shards[1:]
+
+    def move(self, new: DeploymentState, detail: str) -> None:
+        if new not in _ALLOWED[self.state]:
+            raise IllegalTransition(f"deployment {self.name}: {self.state} -> {new}")
+        if new is not self.state or detail != self.detail:
+            log.info("deployment %s: %s -> %s (%s)", self.name, self.state, new, detail)
+        self.state, self.detail, self.changed_at = new, detail, time.monotonic()
+        if new is DeploymentState.SERVING:
+            self.attempts = 0
+
+    def shard_of(self, worker_id: str) -> ShardView | None:
+        return next((s for s in self.shards if s.worker_id == worker_id), None)

@@ -1,0 +1,1 @@
+"""What this machine has: CPU, RAM and GPUs, from the vendors' own tools."""

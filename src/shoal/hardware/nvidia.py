@@ -1,0 +1,220 @@
+"""NVIDIA GPUs: NVML through ``nvidia-ml-py`` first, ``nvidia-smi`` CSV when NVML is absent.
+
+Index mapping: NVML and ``nvidia-smi`` both number GPUs in PCI bus order. CUDA numbers them
+fastest-first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; llama-server must run with that
+variable set (and ``CUDA_VISIBLE_DEVICES`` unset) for ``CUDA<n>`` to be the GPU this module
+calls index ``n`` (see ``detect.device_env``).
+
+The ``nvidia-smi`` query keeps its CSV header (``--format=csv,nounits``): the parser maps
+columns by name, so the same parser reads the full query, the retry without ``compute_cap``
+(drivers before 510 reject that field), the cheap free-memory query, and any recorded output
+whatever its column order. Text without a header is read with the caller's field list.
+Unknown values (``[N/A]``, ``[Not Supported]``, ...) become 0 for totals (0 means unknown, as
+everywhere in ``shoal.hardware``) and None for free memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from shoal.hardware.profile import Accelerator, GpuDevice
+
+log = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
+
+SMI_FIELDS = (
+    "index",
+    "name",
+    "uuid",
+    "memory.total",
+    "memory.free",
+    "driver_version",
+    "compute_cap",
+)
+"""What ``nvidia-smi`` is asked for; ``compute_cap`` needs driver 510 or newer."""
+
+SMI_FIELDS_LEGACY = SMI_FIELDS[:-1]
+"""The retry for older drivers, which answer ``Field "compute_cap" is not a valid field``."""
+
+SMI_FREE_FIELDS = ("index", "memory.free")
+
+_ALIASES = {"gpu_name": "name", "gpu_uuid": "uuid", "gpu_index": "index"}
+_UNKNOWN_PREFIX = ("[", "N/A")
+
+
+def smi_command(fields: Sequence[str] = SMI_FIELDS) -> tuple[str, ...]:
+    """The ``nvidia-smi`` command line that queries ``fields`` (CSV with header, no units)."""
+    return ("nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,nounits")
+
+
+def rejects_field(output: str) -> bool:
+    """True when ``nvidia-smi`` refused a query field (old driver): retry without it."""
+    return "is not a valid field to query" in output
+
+
+def _column(header_cell: str) -> str:
+    name = header_cell.strip().split(" [", 1)[0].strip()
+    return _ALIASES.get(name, name)
+
+
+def _header(cells: Sequence[str]) -> list[str] | None:
+    columns = [_column(c) for c in cells]
+    return columns if "name" in columns or "index" in columns else None
+
+
+def _unknown(cell: str) -> bool:
+    return not cell or cell.startswith(_UNKNOWN_PREFIX)
+
+
+def _mib(cell: str) -> int | None:
+    """MiB as bytes; None for ``[N/A]`` and other placeholders or garbage."""
+    cell = cell.strip().removesuffix("MiB").strip()
+    if _unknown(cell):
+        return None
+    try:
+        mib = float(cell)
+    except ValueError:
+        return None
+    return int(mib * MIB) if math.isfinite(mib) else None
+
+
+def _text(row: Mapping[str, str], key: str) -> str:
+    value = row.get(key, "").strip()
+    return "" if _unknown(value) else value
+
+
+def _free(row: Mapping[str, str], total: int | None) -> int | None:
+    free = _mib(row.get("memory.free", ""))
+    if free is not None:
+        return free
+    used = _mib(row.get("memory.used", ""))
+    return total - used if total is not None and used is not None else None
+
+
+def _device(row: Mapping[str, str], position: int) -> GpuDevice:
+    index_text = _text(row, "index")
+    total = _mib(row.get("memory.total", ""))
+    return GpuDevice(
+        index=int(index_text) if index_text.isdigit() else position,
+        name=_text(row, "name") or f"NVIDIA GPU {position}",
+        accelerator=Accelerator.CUDA,
+        memory_total_bytes=total or 0,
+        memory_free_bytes=_free(row, total),
+        uuid=_text(row, "uuid"),
+        driver=_text(row, "driver_version"),
+        compute_capability=_text(row, "compute_cap"),
+    )
+
+
+def parse_nvidia_smi_csv(text: str, fields: Sequence[str] = SMI_FIELDS) -> list[GpuDevice]:
+    """GPUs in ``nvidia-smi --query-gpu=... --format=csv[,noheader][,nounits]`` output.
+
+    A header line, when present, names the columns; otherwise ``fields`` does (the query's
+    field list, in order). Rows whose cell count does not match are skipped (logged at
+    debug), so error text, empty output and garbage give ``[]``. Sorted by index.
+    """
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        return []
+    columns = _header(lines[0].split(","))
+    if columns is None:
+        columns = [_column(f) for f in fields]
+    else:
+        lines = lines[1:]
+    devices = []
+    for position, line in enumerate(lines):
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) != len(columns):
+            log.debug("nvidia-smi: skipping row %r (expected %d columns)", line, len(columns))
+            continue
+        devices.append(_device(dict(zip(columns, cells, strict=True)), position))
+    return sorted(devices, key=lambda d: d.index)
+
+
+# ----------------------------------------------------------------------------- NVML
+
+
+def _decode(value: Any) -> str:
+    """NVML strings are ``bytes`` in old bindings and ``str`` in new ones."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _nvml_memory(nvml: Any, handle: Any) -> tuple[int, int | None]:
+    try:
+        info = nvml.nvmlDeviceGetMemoryInfo(handle)
+    except nvml.NVMLError as exc:  # e.g. NotSupported on unified-memory parts (GB10)
+        log.debug("NVML: no memory info: %s", exc)
+        return 0, None
+    return int(info.total), int(info.free)
+
+
+def _nvml_capability(nvml: Any, handle: Any) -> str:
+    try:
+        major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+    except nvml.NVMLError:
+        return ""
+    return f"{int(major)}.{int(minor)}"
+
+
+def _nvml_device(nvml: Any, index: int, driver: str) -> GpuDevice:
+    handle = nvml.nvmlDeviceGetHandleByIndex(index)
+    total, free = _nvml_memory(nvml, handle)
+    return GpuDevice(
+        index=index,
+        name=_decode(nvml.nvmlDeviceGetName(handle)),
+        accelerator=Accelerator.CUDA,
+        memory_total_bytes=total,
+        memory_free_bytes=free,
+        uuid=_decode(nvml.nvmlDeviceGetUUID(handle)),
+        driver=driver,
+        compute_capability=_nvml_capability(nvml, handle),
+    )
+
+
+def _load_nvml() -> Any:
+    """The initialised ``pynvml`` module, or None when the library or the driver is absent."""
+    try:
+        import pynvml
+    except ImportError:
+        log.debug("NVML: nvidia-ml-py is not installed")
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:  # no libnvidia-ml.so, no driver, no device
+        log.debug("NVML: not available: %s", exc)
+        return None
+    return pynvml
+
+
+def _shutdown(nvml: Any) -> None:
+    try:
+        nvml.nvmlShutdown()
+    except nvml.NVMLError as exc:
+        log.debug("NVML: shutdown failed: %s", exc)
+
+
+def from_nvml() -> list[GpuDevice] | None:
+    """Every NVIDIA GPU as NVML sees it; None when NVML is unusable (then try nvidia-smi)."""
+    nvml = _load_nvml()
+    if nvml is None:
+        return None
+    try:
+        driver = _decode(nvml.nvmlSystemGetDriverVersion())
+        return [_nvml_device(nvml, i, driver) for i in range(int(nvml.nvmlDeviceGetCount()))]
+    except nvml.NVMLError as exc:
+        log.debug("NVML: query failed: %s", exc)
+        return None
+    finally:
+        _shutdown(nvml)
+
+
+def nvidia_free_bytes() -> dict[int, int] | None:
+    """Free memory per GPU index through NVML (cheap, for heartbeats); None without NVML."""
+    devices = from_nvml()
+    if devices is None:
+        return None
+    return {d.index: d.memory_free_bytes for d in devices if d.memory_free_bytes is not None}

@@ -1,0 +1,24 @@
+"""API keys (inference, worker, admin) and usage, in SQLite or PostgreSQL.
+
+``open_store(url)`` gives a migrated, ready ``KeyStore``; ``ensure_bootstrap_keys`` makes the
+first admin and inference keys for ``shoal up``.
+"""
+
+from shoal.keys.errors import AmbiguousKey, DatabaseError, KeyStoreError, UnknownKey
+from shoal.keys.records import KeyLimits, KeyRecord, Scope, UsageRow, parse_rate
+from shoal.keys.store import KeyStore, ensure_bootstrap_keys, open_store
+
+__all__ = [
+    "AmbiguousKey",
+    "DatabaseError",
+    "KeyLimits",
+    "KeyRecord",
+    "KeyStore",
+    "KeyStoreError",
+    "Scope",
+    "UnknownKey",
+    "UsageRow",
+    "ensure_bootstrap_keys",
+    "open_store",
+    "parse_rate",
+]

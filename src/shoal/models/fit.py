@@ -1,0 +1,504 @@
+"""Which quantization of a catalog model fits this machine: a pure decision, data in and out.
+
+A model needs its weights, a KV cache for the configured context and compute buffers. The
+estimate is the one :func:`shoal.models.gguf_info.memory_estimate` makes from a GGUF file,
+applied to what the catalog knows before the file is on disk:
+
+- weights: the quantization's ``size_bytes`` (the GGUF file size: tensors plus a few MiB of
+  metadata, so slightly more than the GGUF-based figure);
+- KV: ``n_layers × 2 × n_kv_heads × head_dim × bytes per element`` (f16: 2) per token, for the
+  context rounded up to a multiple of 256 cells as llama.cpp allocates it. Encoder-only
+  embedding models are counted the same way, which overestimates them (llama.cpp gives them
+  no KV cache), so the estimate stays on the safe side;
+- compute: ``COMPUTE_MARGIN × (weights + KV)`` plus a 64 MiB floor.
+
+For the same shape and weights both estimates are equal to the byte (the tests check it).
+
+The budget (:class:`MemoryBudget`) is free VRAM on the selected GPUs, or RAM on CPU-only
+machines and on Apple unified memory. :func:`choose_quantization` walks the model's
+quantizations from best to worst (``catalog.QUANT_PREFERENCE``; names it does not list rank
+after those, bigger files first) and takes the first that fits. Nothing here does I/O or
+logs: callers log ``FitDecision.reason`` and show it in ``shoal models show``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from shoal.hardware.profile import Accelerator, MachineProfile
+from shoal.models.catalog import QUANT_PREFERENCE, CatalogEntry, QuantFile
+from shoal.models.errors import ModelError
+from shoal.models.gguf_info import (
+    COMPUTE_FLOOR_BYTES,
+    KV_CTX_PAD,
+    GGUFInfo,
+    MemoryEstimate,
+    memory_estimate,
+)
+from shoal.units import GIB, format_bytes
+
+Need = MemoryEstimate
+"""Bytes a model needs: weights, KV cache, compute buffers and their total."""
+
+Source = Literal["gguf", "catalog"]
+
+COMPUTE_MARGIN = 0.10
+"""Compute buffers as a fraction of weights + KV (plus a 64 MiB floor); as in gguf_info."""
+KV_F16_BYTES = 2.0
+"""Bytes per KV cache element for llama.cpp's default cache type, f16."""
+
+RAM_RESERVE_MIN_BYTES = 1 * GIB
+RAM_RESERVE_FRACTION = 0.10
+"""RAM kept back for the OS and Shoal: the larger of 1 GiB and 10 % of total RAM.
+
+Available RAM is a snapshot of what is free now; filling it to the last byte swaps as soon
+as anything grows. 1 GiB covers Shoal's own processes (router and worker are a few hundred
+MiB of Python) and a desktop's growth; on bigger machines 10 % scales with the services and
+caches they run. Both are rules of thumb, overridable with ``ram_reserve_bytes``."""
+
+_BACKEND_NAMES = {
+    Accelerator.CUDA: "CUDA",
+    Accelerator.ROCM: "ROCm",
+    Accelerator.METAL: "Metal",
+    Accelerator.VULKAN: "Vulkan",
+    Accelerator.CPU: "CPU",
+}
+
+
+# The budget
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Where a model would run and how many bytes it may use there.
+
+    ``usable_bytes`` is, with discrete GPUs, the sum of the selected devices' free memory
+    (``device_bytes``, one entry per GPU). A model split across GPUs by layers gets shares
+    proportional to each device's free memory (the worker's default tensor split), so each
+    device's share fits when the sum does, up to one layer's rounding and one compute buffer
+    per extra device: a fair first-order budget. On CPU, and on Apple unified memory, it is
+    available RAM minus ``reserve_bytes``.
+    """
+
+    usable_bytes: int
+    accelerator: Accelerator
+    memory: Literal["VRAM", "RAM", "unified memory"]
+    device_bytes: tuple[int, ...] = ()
+    reserve_bytes: int = 0
+
+    @property
+    def where(self) -> str:
+        """``free VRAM on 2 CUDA GPUs``, ``available RAM``, ``unified memory (Metal)``."""
+        if self.memory == "VRAM":
+            n = len(self.device_bytes)
+            backend = _BACKEND_NAMES[self.accelerator]
+            return f"free VRAM on {n} {backend} GPU{'s' if n != 1 else ''}"
+        kept = f"after {format_bytes(self.reserve_bytes)} kept for the OS"
+        if self.memory == "unified memory":
+            return f"unified memory ({_BACKEND_NAMES[self.accelerator]}, {kept})"
+        return f"available RAM ({kept})"
+
+
+def ram_reserve(profile: MachineProfile) -> int:
+    """RAM kept back for the OS and Shoal on ``profile``: see :data:`RAM_RESERVE_FRACTION`."""
+    return max(RAM_RESERVE_MIN_BYTES, math.ceil(RAM_RESERVE_FRACTION * profile.ram_total_bytes))
+
+
+def budget_for(
+    profile: MachineProfile,
+    *,
+    gpu_indices: tuple[int, ...] | None = None,
+    ram_reserve_bytes: int | None = None,
+) -> MemoryBudget:
+    """The memory a model may use on ``profile``.
+
+    ``gpu_indices`` selects GPUs by tool index (None: all, ``()``: none, i.e. CPU only);
+    an unknown index raises ``ValueError``. ``ram_reserve_bytes`` overrides
+    :func:`ram_reserve`. Unified-memory GPUs (Apple Silicon) draw on RAM, so their budget is
+    the RAM budget, capped by what the GPU reports it may use.
+    """
+    selected = profile.select(gpu_indices)
+    reserve = ram_reserve(profile) if ram_reserve_bytes is None else ram_reserve_bytes
+    ram = max(0, profile.ram_available_bytes - reserve)
+    if not selected.gpus:
+        return MemoryBudget(ram, Accelerator.CPU, "RAM", reserve_bytes=reserve)
+    devices = tuple(g.usable_bytes for g in selected.gpus)
+    if any(g.unified_memory for g in selected.gpus):
+        usable = min(ram, sum(devices))
+        return MemoryBudget(usable, selected.accelerator, "unified memory", devices, reserve)
+    return MemoryBudget(sum(devices), selected.accelerator, "VRAM", devices)
+
+
+# Estimates
+
+
+def estimate_from_catalog(
+    entry: CatalogEntry,
+    quant: QuantFile,
+    ctx_total: int,
+    *,
+    cache_type_bytes: float = KV_F16_BYTES,
+    compute_margin: float = COMPUTE_MARGIN,
+) -> Need:
+    """What ``entry`` in ``quant`` needs on one machine for ``ctx_total`` tokens of context.
+
+    ``ctx_total`` is llama-server's ``--ctx-size``: every slot's context together.
+    """
+    _check_ctx(ctx_total)
+    elements_per_token = entry.n_layers * 2 * entry.n_kv_heads * entry.head_dim
+    kv = math.ceil(elements_per_token * cache_type_bytes * _cells(ctx_total))
+    return _need(quant.size_bytes, kv, compute_margin)
+
+
+def estimate_from_gguf(
+    info: GGUFInfo,
+    ctx_total: int,
+    *,
+    cache_type_bytes: float = KV_F16_BYTES,
+    compute_margin: float = COMPUTE_MARGIN,
+) -> Need:
+    """What the GGUF ``info`` describes needs with all its layers, head and tail on one machine."""
+    return memory_estimate(
+        info,
+        range(info.n_layers),
+        ctx_total,
+        with_head=True,
+        with_tail=True,
+        compute_margin=compute_margin,
+        cache_type_bytes=cache_type_bytes,
+    )
+
+
+def max_fitting_ctx(need: Need, ctx_total: int, budget_bytes: int) -> int | None:
+    """The largest context (a multiple of 256) at which ``need``, estimated at ``ctx_total``,
+    fits ``budget_bytes``; None when not even 256 tokens fit. At most ``ctx_total`` rounded up.
+
+    The KV cache scales with the number of cells, weights stay, compute follows the formula
+    (with :data:`COMPUTE_MARGIN`).
+    """
+    _check_ctx(ctx_total)
+    cells = _cells(ctx_total) // KV_CTX_PAD
+    low, high = 0, cells
+    while low < high:
+        mid = (low + high + 1) // 2
+        if _scaled(need, cells, mid).total_bytes <= budget_bytes:
+            low = mid
+        else:
+            high = mid - 1
+    return low * KV_CTX_PAD if low else None
+
+
+def _check_ctx(ctx_total: int) -> None:
+    if ctx_total <= 0:
+        raise ValueError(f"ctx_total must be positive, got {ctx_total}")
+
+
+def _cells(ctx: int) -> int:
+    return math.ceil(ctx / KV_CTX_PAD) * KV_CTX_PAD
+
+
+def _need(weights: int, kv: int, compute_margin: float = COMPUTE_MARGIN) -> Need:
+    # The same arithmetic as gguf_info.memory_estimate, so both estimates agree to the byte.
+    compute = math.ceil(compute_margin * (weights + kv)) + COMPUTE_FLOOR_BYTES
+    return Need(
+        weights_bytes=weights,
+        kv_bytes=kv,
+        compute_bytes=compute,
+        total_bytes=weights + kv + compute,
+    )
+
+
+def _scaled(need: Need, cells: int, new_cells: int) -> Need:
+    """``need`` (for ``cells`` groups of 256 cells) with its KV cache for ``new_cells``."""
+    return _need(need.weights_bytes, -(-need.kv_bytes * new_cells // cells))
+
+
+# The decision
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One quantization with what it needs, where the estimate came from, and whether it fits."""
+
+    quant: QuantFile
+    need: Need
+    source: Source
+    fits: bool
+    shortfall_bytes: int
+    """How much more memory it would need; 0 when it fits."""
+
+
+@dataclass(frozen=True)
+class FitDecision:
+    """The quantization to run, why, and every candidate that was weighed (best first)."""
+
+    quant: QuantFile
+    need: Need
+    budget: MemoryBudget
+    ctx_total: int
+    fits: bool
+    """False only for a quantization the user asked for that does not fit (callers warn)."""
+    requested: bool
+    candidates: tuple[Candidate, ...]
+    reason: str
+    """One or two sentences for the log and ``shoal models show``."""
+
+    @property
+    def shortfall_bytes(self) -> int:
+        return max(0, self.need.total_bytes - self.budget.usable_bytes)
+
+
+class NoQuantizationFits(ModelError):
+    """No quantization of a model fits the budget; the message lists what the user can do.
+
+    ``smallest`` is the candidate that needs least, ``shortfall_bytes`` what it lacks,
+    ``fitting_ctx`` the largest total context at which it would fit (None: not even 256
+    tokens), ``alternatives`` smaller models of the same family that fit, as ``(id, quant)``.
+    """
+
+    def __init__(
+        self,
+        entry: CatalogEntry,
+        budget: MemoryBudget,
+        ctx_total: int,
+        candidates: tuple[Candidate, ...],
+        *,
+        slots: int = 1,
+        alternatives: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        self.entry_id = entry.id
+        self.budget = budget
+        self.ctx_total = ctx_total
+        self.candidates = candidates
+        self.smallest = min(candidates, key=lambda c: (c.need.total_bytes, c.need.weights_bytes))
+        self.shortfall_bytes = self.smallest.shortfall_bytes
+        self.fitting_ctx = max_fitting_ctx(self.smallest.need, ctx_total, budget.usable_bytes)
+        self.alternatives = alternatives
+        super().__init__(_no_fit_message(self, entry.family, slots))
+
+
+def rank(quantization: str) -> int:
+    """Position of ``quantization`` in ``catalog.QUANT_PREFERENCE``; unknown names rank last."""
+    try:
+        return QUANT_PREFERENCE.index(quantization.upper())
+    except ValueError:
+        return len(QUANT_PREFERENCE)
+
+
+def candidates(
+    entry: CatalogEntry,
+    budget: MemoryBudget,
+    ctx_total: int,
+    local: Mapping[str, Need] | None = None,
+) -> tuple[Candidate, ...]:
+    """Every quantization of ``entry``, best first, with its need at ``ctx_total``.
+
+    ``local`` maps quantization names (any case) to GGUF-derived needs of files already on
+    disk; they replace the catalog estimate.
+    """
+    _check_ctx(ctx_total)
+    on_disk = {name.upper(): need for name, need in (local or {}).items()}
+    ordered = sorted(entry.hub.quants, key=lambda q: (rank(q.quantization), -q.size_bytes))
+    out = []
+    for quant in ordered:
+        need = on_disk.get(quant.quantization.upper())
+        source: Source = "gguf" if need is not None else "catalog"
+        if need is None:
+            need = estimate_from_catalog(entry, quant, ctx_total)
+        short = max(0, need.total_bytes - budget.usable_bytes)
+        out.append(Candidate(quant, need, source, short == 0, short))
+    return tuple(out)
+
+
+def choose_quantization(
+    entry: CatalogEntry,
+    budget: MemoryBudget,
+    ctx_total: int,
+    *,
+    requested: str | None = None,
+    local: Mapping[str, Need] | None = None,
+    slots: int = 1,
+    catalog: Sequence[CatalogEntry] = (),
+) -> FitDecision:
+    """The best quantization of ``entry`` whose estimated need fits ``budget``.
+
+    ``requested`` (``--quantization``) wins even when it does not fit: the decision then has
+    ``fits=False`` and a reason that names the shortfall, and the caller warns. An unknown
+    ``requested`` name raises :class:`ModelError`. Without a request and with nothing that
+    fits, raises :class:`NoQuantizationFits`, whose message suggests a context that would fit
+    (``slots`` turns it into a per-slot ``--ctx-size``) and the smaller models of the same
+    family from ``catalog`` that fit.
+    """
+    if not entry.hub.quants:
+        raise ModelError(f"the catalog lists no quantization for {entry.id}; update Shoal.")
+    if slots < 1:
+        raise ValueError(f"slots must be at least 1, got {slots}")
+    cands = candidates(entry, budget, ctx_total, local)
+    if requested is not None:
+        return _requested(entry, budget, ctx_total, cands, requested)
+    chosen = next((c for c in cands if c.fits), None)
+    if chosen is None:
+        found = _alternatives(entry, catalog, budget, ctx_total)
+        raise NoQuantizationFits(entry, budget, ctx_total, cands, slots=slots, alternatives=found)
+    return _decision(chosen, budget, ctx_total, cands, requested=False)
+
+
+def fits_machine(
+    entry: CatalogEntry,
+    budget: MemoryBudget,
+    ctx_total: int,
+    *,
+    local: Mapping[str, Need] | None = None,
+) -> FitDecision | None:
+    """The automatic decision for ``entry``, or None when nothing fits (``models list --fits``)."""
+    try:
+        return choose_quantization(entry, budget, ctx_total, local=local)
+    except NoQuantizationFits:
+        return None
+
+
+def _requested(
+    entry: CatalogEntry,
+    budget: MemoryBudget,
+    ctx_total: int,
+    cands: tuple[Candidate, ...],
+    requested: str,
+) -> FitDecision:
+    chosen = next((c for c in cands if c.quant.quantization.upper() == requested.upper()), None)
+    if chosen is None:
+        have = ", ".join(c.quant.quantization for c in cands)
+        raise ModelError(
+            f"{entry.id} has no {requested} quantization; available: {have}. "
+            "Pick one of those, or leave out --quantization to choose what fits automatically."
+        )
+    return _decision(chosen, budget, ctx_total, cands, requested=True)
+
+
+def _decision(
+    chosen: Candidate,
+    budget: MemoryBudget,
+    ctx_total: int,
+    cands: tuple[Candidate, ...],
+    *,
+    requested: bool,
+) -> FitDecision:
+    return FitDecision(
+        quant=chosen.quant,
+        need=chosen.need,
+        budget=budget,
+        ctx_total=ctx_total,
+        fits=chosen.fits,
+        requested=requested,
+        candidates=cands,
+        reason=_reason(chosen, budget, ctx_total, cands, requested),
+    )
+
+
+def _alternatives(
+    entry: CatalogEntry,
+    catalog: Sequence[CatalogEntry],
+    budget: MemoryBudget,
+    ctx_total: int,
+) -> tuple[tuple[str, str], ...]:
+    """Smaller models of ``entry``'s family and kind that fit, biggest first, as (id, quant)."""
+    siblings = sorted(
+        (
+            e
+            for e in catalog
+            if e.family == entry.family
+            and e.kind == entry.kind
+            and e.parameters < entry.parameters
+            and e.id != entry.id
+        ),
+        key=lambda e: -e.parameters,
+    )
+    found = []
+    for sibling in siblings:
+        decision = fits_machine(sibling, budget, ctx_total)
+        if decision is not None:
+            found.append((sibling.id, decision.quant.quantization))
+    return tuple(found)
+
+
+# Messages
+
+
+def _breakdown(need: Need) -> str:
+    return (
+        f"{format_bytes(need.total_bytes)} (weights {format_bytes(need.weights_bytes)} + "
+        f"KV {format_bytes(need.kv_bytes)} + compute {format_bytes(need.compute_bytes)})"
+    )
+
+
+def _label(candidate: Candidate, requested: bool) -> str:
+    flags = (("requested", requested), ("local GGUF", candidate.source == "gguf"))
+    notes = [note for note, on in flags if on]
+    return candidate.quant.quantization + (f" ({', '.join(notes)})" if notes else "")
+
+
+def _reason(
+    chosen: Candidate,
+    budget: MemoryBudget,
+    ctx_total: int,
+    cands: tuple[Candidate, ...],
+    requested: bool,
+) -> str:
+    head = f"{_label(chosen, requested)}: needs {_breakdown(chosen.need)}"
+    room = f"{format_bytes(budget.usable_bytes)} {budget.where} at ctx {ctx_total}"
+    if not chosen.fits:
+        best = next((c for c in cands if c.fits), None)
+        fallback = f"; {best.quant.quantization} would fit" if best else ""
+        return (
+            f"{head} but only {room}: {format_bytes(chosen.shortfall_bytes)} short. "
+            f"It may fail to load or run slowly{fallback}."
+        )
+    index = cands.index(chosen)
+    if requested:
+        return f"{head} of {room}."
+    if index == 0:
+        return f"{head} of {room}; it is the best quantization available."
+    # Automatic choices take the first that fits, so the one just better does not.
+    better = cands[index - 1]
+    return (
+        f"{head} of {room}; {better.quant.quantization} would need "
+        f"{format_bytes(better.need.total_bytes)}."
+    )
+
+
+def _no_fit_message(error: NoQuantizationFits, family: str, slots: int) -> str:
+    smallest = error.smallest
+    name = smallest.quant.quantization
+    text = (
+        f"{error.entry_id} does not fit in {format_bytes(error.budget.usable_bytes)} "
+        f"{error.budget.where} at ctx {error.ctx_total}: even {name}, the smallest "
+        f"quantization, needs {_breakdown(smallest.need)}, "
+        f"{format_bytes(error.shortfall_bytes)} short. Options: "
+    )
+    options = [_ctx_option(error.fitting_ctx, name, smallest.need, slots)]
+    per_slot = error.ctx_total // slots
+    fewer = (error.fitting_ctx or 0) // per_slot if per_slot else 0
+    if 1 <= fewer < slots:
+        options.append(f"fewer slots (--slots {fewer} keeps --ctx-size {per_slot} per slot)")
+    if error.alternatives:
+        models = ", ".join(f"{i} ({q})" for i, q in error.alternatives)
+        options.append(f"a smaller {family} model that fits: {models}")
+    options.append("split the model across several workers (distributed inference)")
+    options.append(f"or force one with --quantization {name} (it may fail to load)")
+    return text + "; ".join(options) + "."
+
+
+def _ctx_option(fitting_ctx: int | None, name: str, need: Need, slots: int) -> str:
+    if fitting_ctx is None:
+        return (
+            f"no context is small enough: the weights alone take "
+            f"{format_bytes(need.weights_bytes)}, so free memory or use another machine"
+        )
+    per_slot = fitting_ctx // slots
+    if slots == 1 or per_slot < KV_CTX_PAD:
+        flags = f"--ctx-size {fitting_ctx}" + (" with --slots 1" if slots > 1 else "")
+    else:
+        flags = f"--ctx-size {per_slot} with --slots {slots}"
+    return f"a smaller context: {name} fits with {fitting_ctx} tokens in total ({flags})"

@@ -1,0 +1,125 @@
+"""What a queued job reports back: its output and its hand-offs, encoded as compact JSON.
+
+A holder publishes ``Data`` chunks (an SSE ``data:`` payload each), then ends with ``Done``;
+or one ``Result`` (a whole JSON body, which also ends the job); or ``Failed``. The queue
+itself writes ``Assigned`` when a consumer takes the job and ``Requeued`` when the job goes
+back to wait. A reader stops after a final event (``is_final``).
+
+Wire form, one JSON object per event (``t`` is the tag)::
+
+    {"t":"data","d":"..."}  {"t":"result","body":"..."}  {"t":"done"}
+    {"t":"failed","status":502,"error":{"message":"...","type":"...","code":"..."}}
+    {"t":"assigned","consumer":"w1","attempt":1}  {"t":"requeued","reason":"..."}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from shoal.protocol.messages import ErrorBody
+
+
+@dataclass(frozen=True, slots=True)
+class Data:
+    data: str
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    body: str
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    status: int
+    error: ErrorBody
+
+
+@dataclass(frozen=True, slots=True)
+class Assigned:
+    consumer: str
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class Requeued:
+    reason: str
+
+
+OutputEvent = Data | Result | Done | Failed
+"""What a job's holder publishes."""
+
+JobEvent = OutputEvent | Assigned | Requeued
+"""What a reader of a job's output sees."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    """An event read from a job's output, with its entry id (pass it to resume reading)."""
+
+    id: str
+    event: JobEvent
+
+
+class BadEvent(ValueError):
+    """An output stream entry that is not an event of this version (a bug or a foreign key)."""
+
+
+def is_final(event: JobEvent) -> bool:
+    return isinstance(event, Result | Done | Failed)
+
+
+def starts_answer(event: OutputEvent) -> bool:
+    """Output the client may already have seen: the job can no longer be run again."""
+    return isinstance(event, Data | Result)
+
+
+def encode(event: JobEvent) -> bytes:
+    match event:
+        case Data(data=data):
+            return orjson.dumps({"t": "data", "d": data})
+        case Result(body=body):
+            return orjson.dumps({"t": "result", "body": body})
+        case Done():
+            return b'{"t":"done"}'
+        case Failed(status=status, error=error):
+            return orjson.dumps(
+                {"t": "failed", "status": status, "error": error.model_dump(mode="json")}
+            )
+        case Assigned(consumer=consumer, attempt=attempt):
+            return orjson.dumps({"t": "assigned", "consumer": consumer, "attempt": attempt})
+        case Requeued(reason=reason):
+            return orjson.dumps({"t": "requeued", "reason": reason})
+
+
+def decode(raw: bytes | str) -> JobEvent:
+    try:
+        obj: Any = orjson.loads(raw)
+        return _from_dict(obj)
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise BadEvent(f"not a job event: {raw!r:.200}") from exc
+
+
+def _from_dict(obj: dict[str, Any]) -> JobEvent:
+    match obj["t"]:
+        case "data":
+            return Data(str(obj["d"]))
+        case "result":
+            return Result(str(obj["body"]))
+        case "done":
+            return Done()
+        case "failed":
+            return Failed(int(obj["status"]), ErrorBody.model_validate(obj["error"]))
+        case "assigned":
+            return Assigned(str(obj["consumer"]), int(obj["attempt"]))
+        case "requeued":
+            return Requeued(str(obj["reason"]))
+    raise ValueError(f"unknown event type {obj['t']!r}")

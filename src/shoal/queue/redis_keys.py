@@ -1,0 +1,173 @@
+"""Every Redis key Shoal uses, built from one prefix (``--redis-prefix``, default ``shoal:``).
+
+Several clusters or test runs share one Redis by using different prefixes. Names, with
+``{p}`` the prefix:
+
+==============================  ===========  ==================================================
+key                             type         contents and lifetime
+==============================  ===========  ==================================================
+``{p}q:{model}:{endpoint}``     stream       Jobs waiting or running for one (model, endpoint),
+                                             one entry ``job=<id>`` each, read by the consumer
+                                             group ``GROUP``. An entry is deleted when its job
+                                             ends, so ``XLEN`` = waiting + running. No TTL
+                                             (the group lives in it); one key per served pair.
+``{p}queues``                   set          Names of the queue streams above, so a sweep finds
+                                             every queue without ``SCAN``/``KEYS``. No TTL.
+``{p}job:{id}``                 hash         The job: ``model endpoint stream body queue entry
+                                             state owner attempt seq started created``. TTL
+                                             ``JOB_TTL_MS`` from enqueue, cut to
+                                             ``FINISHED_TTL_MS`` when the job ends.
+``{p}job:{id}:out``             stream       The job's output events (field ``e``, compact
+                                             JSON), ``MAXLEN ~ OUT_MAXLEN``. TTL ``OUT_TTL_MS``
+                                             from the last event, ``FINISHED_TTL_MS`` once the
+                                             job ends.
+``{p}consumer:{name}:cancel``   list         Ids of jobs held by consumer ``name`` that were
+                                             cancelled; the holder pops them with ``BLPOP``.
+                                             TTL ``CANCELS_TTL_MS`` from the last push.
+``{p}tail:{name}:{token}``      stream       Wake-ups for one ``OutputTail`` reader (a new job
+                                             to read). ``MAXLEN ~ 100``; TTL ``OUT_TTL_MS``
+                                             from the last wake-up; deleted when it stops.
+``{p}rl:{{key}}:req|tok|streams``  zset/str  A key's rate limits (router/ratelimit_redis):
+                                             request log, token GCRA, stream leases; each with
+                                             a TTL of its window. ``{key}`` keeps a key's three
+                                             names in one Redis Cluster slot.
+``{p}ajob:{id}``                hash         An async job's record (``/v1/jobs``): TTL 24 h
+                                             while live, ``--job-ttl`` once finished.
+``{p}ajobs:cancelled``          channel      Pub/sub: async jobs cancelled on some router.
+``{p}cache:{sha256}``           string       A cached answer (``--cache``); TTL ``--cache-ttl``.
+``{p}worker:{id}``              hash         A connected worker as its router lists it: fields
+                                             ``router`` and ``summary`` (JSON). TTL refreshed
+                                             by its router; deleted when it disconnects.
+``{p}workers``                  set          Ids of the worker hashes above (readers drop ids
+                                             whose hash expired).
+==============================  ===========  ==================================================
+
+Leases live in the stream's pending entries list: a holder renews a job by ``XCLAIM``-ing it
+to itself (``JUSTID``, which resets its idle time), and a job idle past the lease is taken
+over with ``XAUTOCLAIM``. There are no separate lease keys.
+
+The Lua scripts (``redis_scripts``) build job keys from ids they read out of Redis, with
+``job_key_prefix`` and ``OUT_SUFFIX`` from here, so the names above stay defined only in this
+module. This layout needs a single Redis (or a primary with replicas): the scripts touch keys
+of several jobs at once, which Redis Cluster does not allow.
+"""
+
+from __future__ import annotations
+
+import re
+
+from shoal.protocol.ids import JobId, ModelName
+from shoal.protocol.messages import Endpoint
+
+GROUP = "shoal"
+"""The consumer group every router and pull worker reads the queue streams with."""
+
+OUT_SUFFIX = ":out"
+CANCEL_SUFFIX = ":cancel"
+
+JOB_TTL_MS = 24 * 3600 * 1000  # a job not finished within a day is dropped
+FINISHED_TTL_MS = 10 * 60 * 1000  # a finished job's output stays readable this long
+OUT_TTL_MS = 3600 * 1000  # output of a job silent this long is dropped
+OUT_MAXLEN = 100_000  # events kept per job output stream (approximate trim)
+CANCELS_TTL_MS = 3600 * 1000  # cancellations for a consumer that never reads them
+
+_SAFE_ID = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
+
+
+class RedisKeys:
+    """Key names for one prefix."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def queue(self, model: ModelName, endpoint: Endpoint) -> str:
+        # The endpoint is the last part and never contains ':', so model names with ':' are
+        # still unambiguous.
+        return f"{self.prefix}q:{model}:{Endpoint(endpoint).value}"
+
+    @property
+    def queues(self) -> str:
+        return f"{self.prefix}queues"
+
+    def parse_queue(self, key: str) -> tuple[ModelName, Endpoint] | None:
+        """The (model, endpoint) of a ``queue`` key name; None if it is not one."""
+        head = f"{self.prefix}q:"
+        model, _, endpoint = key.removeprefix(head).rpartition(":")
+        if not key.startswith(head) or not model:
+            return None
+        try:
+            return ModelName(model), Endpoint(endpoint)
+        except ValueError:
+            return None
+
+    @property
+    def job_key_prefix(self) -> str:
+        return f"{self.prefix}job:"
+
+    def job(self, job_id: JobId) -> str:
+        return f"{self.job_key_prefix}{job_id}"
+
+    def out(self, job_id: JobId) -> str:
+        return f"{self.job_key_prefix}{job_id}{OUT_SUFFIX}"
+
+    @property
+    def consumer_key_prefix(self) -> str:
+        return f"{self.prefix}consumer:"
+
+    def cancels(self, consumer: str) -> str:
+        return f"{self.consumer_key_prefix}{consumer}{CANCEL_SUFFIX}"
+
+    def tail_wake(self, name: str, token: str) -> str:
+        return f"{self.prefix}tail:{name}:{token}"
+
+    @property
+    def pattern(self) -> str:
+        """``SCAN MATCH`` pattern for every key under this prefix (tests and tools only)."""
+        return _glob_escape(self.prefix) + "*"
+
+
+def check_name(kind: str, value: str) -> str:
+    """Job ids and consumer names become parts of key names: keep them plain."""
+    if not _SAFE_ID.fullmatch(value):
+        raise ValueError(
+            f"{kind} {value!r} cannot be used in a Redis key: use 1-128 letters, digits, "
+            "'_', '.' or '-'"
+        )
+    return value
+
+
+def _glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+# ------------------------------------------------------------------ the router's other state
+
+
+def rate_limit_base(prefix: str, key_id: str) -> str:
+    """Stem of one API key's rate-limit keys (``:req``, ``:tok``, ``:streams`` follow)."""
+    return f"{prefix}rl:{{{key_id}}}"
+
+
+def async_job_key(prefix: str, job_id: str) -> str:
+    """The hash holding one async job's record (``/v1/jobs``)."""
+    return f"{prefix}ajob:{job_id}"
+
+
+def async_job_cancel_channel(prefix: str) -> str:
+    """The pub/sub channel every router listens on for cancelled async jobs."""
+    return f"{prefix}ajobs:cancelled"
+
+
+def cache_entry_key(prefix: str, key: str) -> str:
+    """One cached answer of the result cache."""
+    return f"{prefix}cache:{key}"
+
+
+def worker_key(prefix: str, worker_id: str) -> str:
+    """One connected worker's summary, written by the router it is connected to."""
+    return f"{prefix}worker:{worker_id}"
+
+
+def worker_index_key(prefix: str) -> str:
+    """The set of worker ids that have a ``worker_key`` hash (some may have expired)."""
+    return f"{prefix}workers"

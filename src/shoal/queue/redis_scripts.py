@@ -1,0 +1,415 @@
+"""The job queue's Lua scripts: each step of a job's life is one atomic script.
+
+Every script starts with ``_PRELUDE``, which names the common arguments (ARGV[1..7]:
+group, consumer, job key prefix, output suffix, output MAXLEN, output TTL, finished TTL);
+a script's own arguments start at ARGV[8]. Key names come from ``redis_keys``: the queue
+streams are passed in, job keys are the job key prefix plus an id read from Redis.
+
+Every script is safe to run twice with the same arguments (redis-py re-sends a command
+whose connection broke, and ``retrying`` does too): enqueue is keyed by job id, a claim
+returns a job this consumer already holds, and each published event carries a sequence
+number that is written once.
+
+Job states (the hash field ``state``)::
+
+    waiting ──claim──▶ running ──final event──▶ succeeded | failed
+       ▲                  │ │ └──cancel──▶ cancelled (holder told; it acks)
+       │                  │ └──holder lost after publishing output──▶ failed (502)
+       └─requeue/reclaim──┘  (only while nothing was published: ``started`` unset)
+    waiting ──cancel──▶ cancelled
+
+A queue entry lives from enqueue until its job leaves ``running`` or ``waiting``; a job
+that goes back to wait gets a new entry (at the tail) and its old one is deleted.
+"""
+
+from __future__ import annotations
+
+_PRELUDE = """
+local G, C, JP, OS = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local OUTMAX, OUTTTL, FINTTL = ARGV[5], ARGV[6], ARGV[7]
+
+local function emit(id, payload)
+  local out = JP .. id .. OS
+  redis.call('XADD', out, 'MAXLEN', '~', OUTMAX, '*', 'e', payload)
+  redis.call('PEXPIRE', out, OUTTTL)
+end
+
+-- forget a queue entry: no longer pending for anyone, no longer waiting
+local function drop(q, entry)
+  redis.call('XACK', q, G, entry)
+  redis.call('XDEL', q, entry)
+end
+
+-- a final state: keep the hash and the output a little longer for late readers
+local function finish(id, state)
+  redis.call('HSET', JP .. id, 'state', state)
+  redis.call('PEXPIRE', JP .. id, FINTTL)
+  redis.call('PEXPIRE', JP .. id .. OS, FINTTL)
+end
+
+-- put a job back at the tail of its queue (a new entry wakes blocked readers)
+local function requeue(q, entry, id)
+  drop(q, entry)
+  local new = redis.call('XADD', q, '*', 'job', id)
+  redis.call('HSET', JP .. id, 'state', 'waiting', 'entry', new, 'owner', '')
+end
+
+local FIELDS = {'state', 'entry', 'owner', 'attempt', 'model', 'endpoint', 'stream', 'body',
+                'seq', 'started'}
+
+-- hand a job to consumer C; nil if the entry is stale (job ended, cancelled, moved, expired)
+local function start(q, entry, id, reclaiming)
+  local j = JP .. id
+  local f = redis.call('HMGET', j, unpack(FIELDS))
+  if f[2] ~= entry then drop(q, entry) return nil end
+  local attempt = tonumber(f[4])
+  if f[1] == 'running' and not reclaiming then
+    if f[3] == C then  -- ours already: a re-sent call
+      return {id, q, entry, attempt, f[5], f[6], f[7], f[8], f[9]}
+    end
+    return nil  -- taken over by another consumer while this call was delayed: theirs now
+  end
+  if f[1] ~= 'waiting' and f[1] ~= 'running' then
+    drop(q, entry)  -- ended or cancelled
+    return nil
+  end
+  attempt = attempt + 1
+  redis.call('HSET', j, 'state', 'running', 'owner', C, 'attempt', attempt)
+  emit(id, cjson.encode({t = 'assigned', consumer = C, attempt = attempt}))
+  return {id, q, entry, attempt, f[5], f[6], f[7], f[8], f[9]}
+end
+
+local function job_of(fields)
+  for i = 1, #fields, 2 do
+    if fields[i] == 'job' then return fields[i + 1] end
+  end
+  return nil
+end
+"""
+
+ENQUEUE = (
+    _PRELUDE
+    + """
+-- KEYS: job hash, queue stream, queue registry. ARGV[8..]: max_len, job ttl, model,
+-- endpoint, stream flag, body, job id. Returns {1 added | 0 duplicate | -1 full, depth}.
+local depth = redis.call('XLEN', KEYS[2])
+if redis.call('EXISTS', KEYS[1]) == 1 then return {0, depth} end
+local max = tonumber(ARGV[8])
+if max > 0 and depth >= max then return {-1, depth} end
+local entry = redis.call('XADD', KEYS[2], '*', 'job', ARGV[14])
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[1], 'model', ARGV[10], 'endpoint', ARGV[11], 'stream', ARGV[12],
+           'body', ARGV[13], 'queue', KEYS[2], 'entry', entry, 'state', 'waiting',
+           'owner', '', 'attempt', 0, 'seq', 0,
+           'created', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+redis.call('PEXPIRE', KEYS[1], ARGV[9])
+redis.call('SADD', KEYS[3], KEYS[2])
+return {1, depth + 1}
+"""
+)
+
+TAKE = (
+    _PRELUDE
+    + """
+-- Without blocking, take up to ARGV[8] waiting jobs from the queues in KEYS, oldest entry
+-- first across all of them, creating the consumer group where it is missing.
+local function last_delivered(q)
+  local groups = redis.pcall('XINFO', 'GROUPS', q)
+  if groups.err == nil then
+    for _, g in ipairs(groups) do
+      local name, last
+      for i = 1, #g, 2 do
+        if g[i] == 'name' then name = g[i + 1] end
+        if g[i] == 'last-delivered-id' then last = g[i + 1] end
+      end
+      if name == G then return last end
+    end
+  end
+  redis.call('XGROUP', 'CREATE', q, G, '0', 'MKSTREAM')
+  return '0-0'
+end
+
+local function head(q, after)
+  local r = redis.call('XRANGE', q, '(' .. after, '+', 'COUNT', 1)
+  if #r == 0 then return nil end
+  return r[1][1]
+end
+
+local function older(a, b)
+  local am, as = string.match(a, '(%d+)-(%d+)')
+  local bm, bs = string.match(b, '(%d+)-(%d+)')
+  if tonumber(am) ~= tonumber(bm) then return tonumber(am) < tonumber(bm) end
+  return tonumber(as) < tonumber(bs)
+end
+
+local count = tonumber(ARGV[8])
+local heads = {}
+for i, q in ipairs(KEYS) do heads[i] = head(q, last_delivered(q)) end
+local taken = {}
+while #taken < count do
+  local best = nil
+  for i = 1, #KEYS do
+    if heads[i] and (best == nil or older(heads[i], heads[best])) then best = i end
+  end
+  if best == nil then break end
+  local q = KEYS[best]
+  local r = redis.call('XREADGROUP', 'GROUP', G, C, 'COUNT', 1, 'STREAMS', q, '>')
+  if not r then
+    heads[best] = nil
+  else
+    local e = r[1][2][1]
+    local id = job_of(e[2])
+    local got = id and start(q, e[1], id, false)
+    if got then taken[#taken + 1] = got elseif not id then drop(q, e[1]) end
+    heads[best] = head(q, e[1])
+  end
+end
+return taken
+"""
+)
+
+CLAIM = (
+    _PRELUDE
+    + """
+-- Entries a blocking XREADGROUP delivered to C: start the first ARGV[8] (oldest first, as
+-- sent), put the rest back at the tail. ARGV[9..]: (queue, entry, job id) triples.
+local count = tonumber(ARGV[8])
+local taken = {}
+for i = 9, #ARGV, 3 do
+  local q, entry, id = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  if #taken < count then
+    local got = start(q, entry, id, false)
+    if got then taken[#taken + 1] = got end
+  else
+    local f = redis.call('HMGET', JP .. id, 'state', 'entry')
+    if f[2] ~= entry or (f[1] ~= 'waiting' and f[1] ~= 'running') then
+      drop(q, entry)  -- stale
+    elseif f[1] == 'waiting' then
+      requeue(q, entry, id)
+    end
+  end
+end
+return taken
+"""
+)
+
+RECLAIM = (
+    _PRELUDE
+    + """
+-- Take over entries of KEYS[1] idle for ARGV[8] ms (their holder stopped renewing).
+-- ARGV[9] count, ARGV[10] '1' to run them here or '0' to put them back in the queue,
+-- ARGV[11] XAUTOCLAIM cursor, ARGV[12] the Failed event for jobs that had started,
+-- ARGV[13] the Requeued event. Returns {next cursor, {kind, job id, start fields...}...}.
+local q = KEYS[1]
+local r = redis.call('XAUTOCLAIM', q, G, C, ARGV[8], ARGV[11], 'COUNT', ARGV[9])
+local res = {r[1]}
+for _, e in ipairs(r[2]) do
+  local entry, id = e[1], job_of(e[2])
+  local f = {}
+  if id then f = redis.call('HMGET', JP .. id, 'state', 'entry', 'started') end
+  if (f[1] ~= 'running' and f[1] ~= 'waiting') or f[2] ~= entry then
+    drop(q, entry)  -- ended, cancelled, moved or expired: nothing to run
+    if f[1] == 'cancelled' and f[2] == entry then finish(id, 'cancelled') end
+  elseif f[3] == '1' then
+    emit(id, ARGV[12])
+    drop(q, entry)
+    finish(id, 'failed')
+    res[#res + 1] = {'failed', id}
+  elseif ARGV[10] == '1' then
+    local got = start(q, entry, id, true)
+    if got then res[#res + 1] = {'run', unpack(got)} end
+  else
+    requeue(q, entry, id)
+    emit(id, ARGV[13])
+    res[#res + 1] = {'requeued', id}
+  end
+end
+return res
+"""
+)
+
+RENEW = (
+    _PRELUDE
+    + """
+-- Extend C's leases. ARGV[8..]: (job id, entry) pairs. Per job: 1 held, 0 lost, 2 cancelled.
+local res = {}
+for i = 8, #ARGV, 2 do
+  local id, entry = ARGV[i], ARGV[i + 1]
+  local f = redis.call('HMGET', JP .. id, 'state', 'owner', 'entry', 'queue')
+  local code = 0
+  if f[2] == C and f[3] == entry then
+    if f[1] == 'cancelled' then
+      code = 2
+    elseif f[1] == 'running' then
+      -- XCLAIM to the same consumer resets the entry's idle time: that is the lease
+      local got = redis.call('XCLAIM', f[4], G, C, 0, entry, 'JUSTID')
+      if #got == 1 then code = 1 end
+    end
+  end
+  res[#res + 1] = code
+end
+return res
+"""
+)
+
+PUBLISH = (
+    _PRELUDE
+    + """
+-- Append output events of jobs C holds. ARGV[8..]: (job id, seq, kind, payload) quads,
+-- kind d(ata) r(esult) x (done) f(ailed). A seq at or below the job's last one was already
+-- written (a re-sent call) and is skipped. A final event ends the job and acks its entry.
+-- Per event: 1 written (or already), 0 not C's job any more, 2 cancelled.
+local res = {}
+for i = 8, #ARGV, 4 do
+  local id, seq, kind = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2]
+  local j = JP .. id
+  local f = redis.call('HMGET', j, 'state', 'owner', 'seq', 'queue', 'entry')
+  local code = 0
+  if f[2] ~= C then
+    code = 0
+  elseif seq <= tonumber(f[3]) then
+    code = 1
+  elseif f[1] == 'cancelled' then
+    code = 2
+  elseif f[1] == 'running' then
+    emit(id, ARGV[i + 3])
+    redis.call('HSET', j, 'seq', seq)
+    if kind == 'd' or kind == 'r' then redis.call('HSET', j, 'started', '1') end
+    if kind == 'r' or kind == 'x' then
+      drop(f[4], f[5])
+      finish(id, 'succeeded')
+    elseif kind == 'f' then
+      drop(f[4], f[5])
+      finish(id, 'failed')
+    end
+    code = 1
+  end
+  res[#res + 1] = code
+end
+return res
+"""
+)
+
+ACK = (
+    _PRELUDE
+    + """
+-- C is done with these jobs. ARGV[8] is the Failed event for a job still running (it ended
+-- without a final event); ARGV[9..]: (job id, entry) pairs. Per job: 1 acked, 0 not C's.
+local res = {}
+for i = 9, #ARGV, 2 do
+  local id, entry = ARGV[i], ARGV[i + 1]
+  local f = redis.call('HMGET', JP .. id, 'state', 'owner', 'entry', 'queue')
+  local code = 0
+  if f[2] == C and f[3] == entry then
+    drop(f[4], entry)
+    if f[1] == 'running' then
+      emit(id, ARGV[8])
+      finish(id, 'failed')
+    elseif f[1] == 'cancelled' then
+      finish(id, 'cancelled')
+    end
+    code = 1
+  end
+  res[#res + 1] = code
+end
+return res
+"""
+)
+
+GIVE_BACK = (
+    _PRELUDE
+    + """
+-- C puts a job it holds back in its queue (at the tail). ARGV[8] job id, ARGV[9] entry,
+-- ARGV[10] the Requeued event. Returns 1 requeued, 0 not C's job, -1 it already answered.
+local id, entry = ARGV[8], ARGV[9]
+local f = redis.call('HMGET', JP .. id, 'state', 'owner', 'entry', 'queue', 'started')
+if f[1] ~= 'running' or f[2] ~= C or f[3] ~= entry then return 0 end
+if f[5] == '1' then return -1 end
+requeue(f[4], entry, id)
+emit(id, ARGV[10])
+return 1
+"""
+)
+
+ADOPT = (
+    _PRELUDE
+    + """
+-- C takes over a running job from a holder that is still answering through C (a worker
+-- that reconnected to another router). Output so far stays; the old holder is fenced off.
+-- ARGV[8] job id, ARGV[9] the attempt the worker runs (a job run again since is not its).
+-- Returns the start fields (with the job's last seq), or nil.
+local id = ARGV[8]
+local f = redis.call('HMGET', JP .. id, unpack(FIELDS))
+if f[1] ~= 'running' or tonumber(f[4]) ~= tonumber(ARGV[9]) then return nil end
+local q, entry = redis.call('HGET', JP .. id, 'queue'), f[2]
+if #redis.call('XCLAIM', q, G, C, 0, entry, 'JUSTID') ~= 1 then return nil end
+redis.call('HSET', JP .. id, 'owner', C)
+return {id, q, entry, tonumber(f[4]), f[5], f[6], f[7], f[8], f[9]}
+"""
+)
+
+CANCEL = (
+    _PRELUDE
+    + """
+-- Cancel a job. ARGV[8] job id, ARGV[9] '1' to cancel only a waiting job, ARGV[10] and
+-- ARGV[11] the consumer cancel-list key around the holder's name, ARGV[12] that list's TTL.
+-- Returns the state found: waiting (removed), running (holder told), or another/missing.
+local id = ARGV[8]
+local f = redis.call('HMGET', JP .. id, 'state', 'entry', 'queue', 'owner')
+if not f[1] then return 'missing' end
+if f[1] == 'waiting' then
+  drop(f[3], f[2])
+  finish(id, 'cancelled')
+elseif f[1] == 'running' and ARGV[9] ~= '1' then
+  redis.call('HSET', JP .. id, 'state', 'cancelled')
+  local list = ARGV[10] .. f[4] .. ARGV[11]
+  redis.call('RPUSH', list, id)
+  redis.call('PEXPIRE', list, ARGV[12])
+end
+return f[1]
+"""
+)
+
+COUNTS = """
+-- KEYS[1] queue, ARGV[1] group. Returns {entries, pending}: waiting = entries - pending.
+local n = redis.call('XLEN', KEYS[1])
+local p = redis.pcall('XPENDING', KEYS[1], ARGV[1])
+if p.err then return {n, 0} end
+return {n, p[1]}
+"""
+
+WAITING = """
+-- KEYS[1] the set of queue names, ARGV[1] group. Returns {queue, entries, pending, ...} for
+-- every queue in the set (the queues are read by name: this needs a single Redis).
+local res = {}
+for _, q in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local n = redis.call('XLEN', q)
+  local p = redis.pcall('XPENDING', q, ARGV[1])
+  res[#res + 1] = q
+  res[#res + 1] = n
+  res[#res + 1] = (p.err and 0) or p[1]
+end
+return res
+"""
+
+PRUNE = (
+    _PRELUDE
+    + """
+-- Delete consumers of KEYS[1]'s group that hold nothing and were given nothing for
+-- ARGV[8] ms (mostly processes that went away). Atomic, so no consumer loses entries it
+-- was just given; one still alive and blocked in XREADGROUP is recreated by Redis when
+-- its next entry comes.
+local cs = redis.pcall('XINFO', 'CONSUMERS', KEYS[1], G)
+if cs.err then return 0 end
+local n = 0
+for _, c in ipairs(cs) do
+  local info = {}
+  for i = 1, #c, 2 do info[c[i]] = c[i + 1] end
+  if info['pending'] == 0 and info['idle'] >= tonumber(ARGV[8]) and info['name'] ~= C then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], G, info['name'])
+    n = n + 1
+  end
+end
+return n
+"""
+)

@@ -1,0 +1,513 @@
+"""The Redis job queue: Redis Streams per (model, endpoint), one consumer group, leases.
+
+Who does what:
+
+* The **router a client called** ``enqueue``s the job, reads its output with ``events`` (a
+  blocking ``XREAD``, resumable from the last entry id) and ``cancel``s it if the client
+  goes away.
+* A **consumer** (a router serving its WebSocket workers, or a pull-mode worker) ``claim``s
+  as many jobs as it has free slots (a blocking ``XREADGROUP``), ``publish``es their output,
+  ``renew``s its leases every ``renew_interval_s`` and watches ``cancellations``. A final
+  event (``Result``, ``Done``, ``Failed``) ends the job and acknowledges it; ``ack`` is for
+  jobs that end without one (cancelled ones).
+* **Recovery**: every consumer runs ``reclaim`` now and then for the queues it serves.
+  A job whose holder stopped renewing for ``lease_ms`` is taken over: run again if it had
+  published no output (at-least-once), or failed with a 502 if it had (the client already
+  saw part of an answer). ``sweep`` does the same for every queue without running anything
+  (it puts unstarted jobs back), for routers that serve no model themselves.
+
+Delivery is at-least-once: a job may run twice (its first holder vanished before it
+answered) but never answers twice. Publishes are fenced: once a job was taken over or
+cancelled, its old holder's events are refused (``Lease.LOST`` / ``Lease.CANCELLED``).
+
+The ``redis`` client's ``socket_timeout`` must be longer than ``block_ms`` (redis-py's
+default of 5 s is, for the default 2 s). Key names: ``redis_keys``; scripts:
+``redis_scripts``; outages: ``redis_support``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import orjson
+import redis.asyncio as aioredis
+import redis.exceptions
+from redis.commands.core import AsyncScript
+from redis.typing import EncodableT
+
+from shoal.protocol.ids import JobId, ModelName
+from shoal.protocol.messages import Endpoint, ErrorBody
+from shoal.queue import events, redis_scripts
+from shoal.queue.events import Delivered, Failed, OutputEvent, Requeued
+from shoal.queue.redis_keys import (
+    CANCEL_SUFFIX,
+    CANCELS_TTL_MS,
+    FINISHED_TTL_MS,
+    GROUP,
+    JOB_TTL_MS,
+    OUT_MAXLEN,
+    OUT_SUFFIX,
+    OUT_TTL_MS,
+    RedisKeys,
+    check_name,
+)
+from shoal.queue.redis_support import (
+    LEASE_CODES,
+    JobGone,
+    JobStatus,
+    Lease,
+    OutageLog,
+    QueueCounts,
+    QueuedJob,
+    QueueFull,
+    Sweep,
+    entry_order,
+    raise_if_cancelled,
+    retrying,
+    stream_entries,
+    text,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+LEASE_MS = 30_000  # a holder silent this long loses its jobs
+BLOCK_MS = 2_000  # longest single blocking read (must stay under the socket timeout)
+OUTAGE_S = 10.0  # each call rides out a Redis outage this long before raising
+EVENTS_BATCH = 512  # output events read per XREAD
+RECLAIM_BATCH = 100  # pending entries examined per XAUTOCLAIM
+CONSUMER_IDLE_MS = 3600 * 1000  # a consumer given nothing for this long is pruned
+
+_KINDS = {events.Data: "d", events.Result: "r", events.Done: "x", events.Failed: "f"}
+
+LOST_AFTER_START = Failed(
+    502,
+    ErrorBody(
+        message="The worker holding this job was lost after it had started answering; "
+        "the answer is incomplete. Retry the request.",
+        type="server_error",
+        code="worker_lost",
+    ),
+)
+ENDED_WITHOUT_ANSWER = Failed(
+    500,
+    ErrorBody(
+        message="The job ended without an answer. Retry the request.",
+        type="server_error",
+        code="no_answer",
+    ),
+)
+LOST_BEFORE_START = Requeued("the worker holding this job was lost before it answered")
+
+
+@dataclass(eq=False, slots=True)
+class Claimed:
+    """A job this consumer holds, with the lease on it."""
+
+    job: QueuedJob
+    entry_id: str
+    attempt: int  # 1 on the first run, more after a take-over or requeue
+    queue: RedisJobQueue = field(repr=False)
+    seq: int = 0  # the last event number published (events are numbered for idempotency)
+
+    async def renew(self) -> Lease:
+        return (await self.queue.renew([self]))[self.job.id]
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+
+class RedisJobQueue:
+    """Jobs and their output in Redis, for one consumer (``consumer`` names this process)."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        prefix: str,
+        consumer: str,
+        *,
+        max_len: int = 0,
+        lease_ms: int = LEASE_MS,
+        block_ms: int = BLOCK_MS,
+        outage_s: float = OUTAGE_S,
+        outage: OutageLog | None = None,
+    ) -> None:
+        self.keys = RedisKeys(prefix)
+        self.consumer = check_name("consumer name", consumer)
+        self.max_len = max_len  # per (model, endpoint), waiting + running; 0: unbounded
+        self.lease_ms = lease_ms
+        self.block_ms = block_ms
+        self.outage_s = outage_s
+        self.outage = outage or OutageLog()  # logs an outage once, however many calls see it
+        self._redis = redis
+        self._check_block(block_ms)
+        self._common: list[EncodableT] = [
+            GROUP,
+            self.consumer,
+            self.keys.job_key_prefix,
+            OUT_SUFFIX,
+            OUT_MAXLEN,
+            OUT_TTL_MS,
+            FINISHED_TTL_MS,
+        ]
+        self._scripts = {
+            name: redis.register_script(getattr(redis_scripts, name))
+            for name in ("ENQUEUE", "TAKE", "CLAIM", "RECLAIM", "RENEW", "PUBLISH")
+            + ("ACK", "GIVE_BACK", "ADOPT", "CANCEL", "PRUNE")
+        }
+        self._counts = redis.register_script(redis_scripts.COUNTS)
+        self._waiting = redis.register_script(redis_scripts.WAITING)
+
+    @property
+    def renew_interval_s(self) -> float:
+        """How often a holder should ``renew``: three chances before the lease runs out."""
+        return self.lease_ms / 3000
+
+    def _check_block(self, block_ms: int) -> None:
+        if block_ms <= 0:
+            raise ValueError(f"block_ms must be positive (got {block_ms}): 0 blocks forever")
+        timeout = self._redis.connection_pool.connection_kwargs.get("socket_timeout")
+        if timeout is not None and block_ms >= timeout * 1000:
+            raise ValueError(
+                f"blocking reads of {block_ms} ms would outlast the Redis client's "
+                f"socket_timeout of {timeout} s: lower block_ms or raise socket_timeout"
+            )
+
+    async def _run(self, name: str, keys: Sequence[str], args: Iterable[EncodableT]) -> Any:
+        script: AsyncScript = self._scripts[name]
+        argv = [*self._common, *args]
+        return await self._retry(lambda: script(keys=keys, args=argv), name.lower())
+
+    # ------------------------------------------------------------ client side
+
+    async def enqueue(self, job: QueuedJob) -> bool:
+        """Queue ``job``; False if a job with its id is already queued (nothing changes).
+
+        Raises ``QueueFull`` when its queue already holds ``max_len`` waiting or running jobs.
+        """
+        check_name("job id", job.id)
+        queue = self.keys.queue(job.model, job.endpoint)
+        keys = [self.keys.job(job.id), queue, self.keys.queues]
+        args: list[EncodableT] = [self.max_len, JOB_TTL_MS, job.model, job.endpoint.value]
+        args += ["1" if job.stream else "0", orjson.dumps(dict(job.body)), job.id]
+        code, depth = await self._run("ENQUEUE", keys, args)
+        if code == -1:
+            raise QueueFull(job.model, job.endpoint, int(depth), self.max_len)
+        log.debug("job %s model=%s queued (depth %s, new=%s)", job.id, job.model, depth, code)
+        return bool(code == 1)
+
+    async def events(
+        self, job_id: JobId, last_id: str = "0", *, block_ms: int | None = None
+    ) -> AsyncIterator[Delivered]:
+        """The job's output from after ``last_id``, ending with its final event.
+
+        Resume after a break by passing the last ``Delivered.id`` seen. Raises ``JobGone``
+        if the job's record disappears (it expired) while nothing more arrives. A cancelled
+        job has no final event: its canceller stops reading.
+        """
+        block = self.block_ms if block_ms is None else block_ms
+        self._check_block(block)
+        key = self.keys.out(job_id)
+        while True:
+            reply = await self._read(key, last_id, block)
+            raise_if_cancelled()
+            got = False
+            for _, entry_id, fields in stream_entries(reply):
+                got = True
+                last_id = entry_id
+                event = events.decode(fields["e"])
+                yield Delivered(entry_id, event)
+                if events.is_final(event):
+                    return
+            if not got and not await self._retry(
+                lambda: self._redis.exists(self.keys.job(job_id)), "events"
+            ):
+                raise JobGone(job_id)
+
+    async def _read(self, key: str, last_id: str, block: int) -> Any:
+        return await self._retry(
+            lambda: self._redis.xread({key: last_id}, count=EVENTS_BATCH, block=block), key
+        )
+
+    async def _retry(self, call: Callable[[], Awaitable[T]], what: str) -> T:
+        return await retrying(call, deadline_s=self.outage_s, what=what, outage=self.outage)
+
+    async def cancel(self, job_id: JobId) -> JobStatus:
+        """Cancel wherever the job is; returns the state it was found in.
+
+        WAITING: removed from its queue. RUNNING: its holder is told (``cancellations``)
+        and its further output is refused. Anything else: nothing to do.
+        """
+        return await self._cancel(job_id, only_waiting=False)
+
+    async def withdraw(self, job_id: JobId) -> bool:
+        """Remove the job only if no consumer took it yet (a wait limit ran out)."""
+        return await self._cancel(job_id, only_waiting=True) is JobStatus.WAITING
+
+    async def _cancel(self, job_id: JobId, *, only_waiting: bool) -> JobStatus:
+        args: list[EncodableT] = [job_id, "1" if only_waiting else "0"]
+        args.append(self.keys.consumer_key_prefix)
+        args += [CANCEL_SUFFIX, CANCELS_TTL_MS]
+        found = JobStatus(text(await self._run("CANCEL", [], args)))
+        log.info("job %s cancelled (was %s, only_waiting=%s)", job_id, found, only_waiting)
+        return found
+
+    async def status(self, job_id: JobId) -> JobStatus:
+        state = await self._retry(
+            lambda: self._redis.hget(self.keys.job(job_id), "state"), "status"
+        )
+        return JobStatus.MISSING if state is None else JobStatus(text(state))
+
+    async def depth(self, model: ModelName, endpoint: Endpoint) -> int:
+        """Jobs waiting or running for (model, endpoint): what ``max_len`` bounds."""
+        key = self.keys.queue(model, endpoint)
+        return int(await self._retry(lambda: self._redis.xlen(key), "depth"))
+
+    async def counts(self, model: ModelName, endpoint: Endpoint) -> QueueCounts:
+        keys = [self.keys.queue(model, endpoint)]
+        entries, pending = await self._retry(
+            lambda: self._counts(keys=keys, args=[GROUP]), "counts"
+        )
+        return QueueCounts(waiting=int(entries) - int(pending), running=int(pending))
+
+    async def waiting(self) -> dict[tuple[ModelName, Endpoint], int]:
+        """Jobs waiting (not yet claimed) in every queue under the prefix, in one call
+        (queues listed by the ``queues`` set, never ``SCAN``)."""
+        keys = [self.keys.queues]
+        flat = await self._retry(lambda: self._waiting(keys=keys, args=[GROUP]), "waiting")
+        found: dict[tuple[ModelName, Endpoint], int] = {}
+        for queue, entries, pending in zip(flat[::3], flat[1::3], flat[2::3], strict=True):
+            if (key := self.keys.parse_queue(text(queue))) is not None:
+                found[key] = int(entries) - int(pending)
+        return found
+
+    # ------------------------------------------------------------ consumer side
+
+    async def claim(
+        self,
+        keys: Sequence[tuple[ModelName, Endpoint]],
+        count: int,
+        block_ms: int | None = None,
+    ) -> list[Claimed]:
+        """Take up to ``count`` waiting jobs from these queues, oldest first (by entry id:
+        to the millisecond across queues, exactly within one).
+
+        Waits up to ``block_ms`` (0: not at all) for one to arrive; an empty list means none
+        came. A claim cancelled while it waits may leave jobs delivered to this consumer
+        but not handed over: they run elsewhere after the lease (``reclaim``).
+        """
+        raise_if_cancelled()
+        if count <= 0 or not keys:
+            return []
+        queues = list(dict.fromkeys(self.keys.queue(m, e) for m, e in keys))
+        block = self.block_ms if block_ms is None else block_ms
+        taken = await self._run("TAKE", queues, [count])
+        if not taken and block > 0:
+            taken = await self._wait_and_claim(queues, count, block)
+        raise_if_cancelled()  # jobs taken here are recovered after the lease, as documented
+        return [self._claimed(row) for row in taken]
+
+    async def _wait_and_claim(self, queues: list[str], count: int, block: int) -> list[Any]:
+        self._check_block(block)
+        streams: dict[Any, Any] = dict.fromkeys(queues, ">")
+        try:
+            reply = await self._retry(
+                lambda: self._redis.xreadgroup(
+                    GROUP, self.consumer, streams, count=count, block=block
+                ),
+                "claim",
+            )
+        except redis.exceptions.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            return []  # a queue was deleted under us; the next claim creates it again
+        entries = sorted(
+            ((q, entry_id, fields) for q, entry_id, fields in stream_entries(reply)),
+            key=lambda e: entry_order(e[1]),
+        )
+        if not entries:
+            return []
+        args: list[EncodableT] = [count]
+        for q, entry_id, fields in entries:
+            args += [q, entry_id, text(fields.get("job", ""))]
+        result: list[Any] = await self._run("CLAIM", [], args)
+        return result
+
+    def _claimed(self, row: Sequence[Any]) -> Claimed:
+        job_id, _, entry_id, attempt, model, endpoint, stream, body, seq = row
+        job = QueuedJob(
+            id=JobId(text(job_id)),
+            model=ModelName(text(model)),
+            endpoint=Endpoint(text(endpoint)),
+            stream=text(stream) == "1",
+            body=orjson.loads(body),
+        )
+        claimed = Claimed(job, text(entry_id), int(attempt), self, seq=int(text(seq)))
+        log.info(
+            "job %s model=%s claimed by %s (attempt %d)",
+            job.id,
+            job.model,
+            self.consumer,
+            claimed.attempt,
+        )
+        return claimed
+
+    async def renew(self, claims: Sequence[Claimed]) -> dict[JobId, Lease]:
+        """Extend the leases on jobs this consumer holds, in one round trip."""
+        if not claims:
+            return {}
+        args: list[EncodableT] = []
+        for c in claims:
+            args += [c.job.id, c.entry_id]
+        codes = await self._run("RENEW", [], args)
+        leases = {c.job.id: LEASE_CODES[int(code)] for c, code in zip(claims, codes, strict=True)}
+        for job_id, lease in leases.items():
+            if lease is not Lease.HELD:
+                log.warning("job %s: %s lost its lease (%s)", job_id, self.consumer, lease.name)
+        return leases
+
+    async def publish(self, claimed: Claimed, event: OutputEvent) -> Lease:
+        """Append one output event; LOST or CANCELLED means stop working on the job."""
+        return (await self.publish_many([(claimed, event)]))[claimed.job.id]
+
+    async def publish_many(
+        self, items: Sequence[tuple[Claimed, OutputEvent]]
+    ) -> dict[JobId, Lease]:
+        """Append output events of any jobs this consumer holds, in one round trip.
+
+        Returns, per job, HELD if all its events were written, else why not. Call it again
+        only with new events: a call that raised may have been written (it already rode
+        out ``outage_s`` of outage, resending the same numbered events).
+        """
+        if not items:
+            return {}
+        args: list[EncodableT] = []
+        for claimed, event in items:
+            args += [claimed.job.id, claimed.next_seq(), _KINDS[type(event)]]
+            args.append(events.encode(event))
+        codes = await self._run("PUBLISH", [], args)
+        leases: dict[JobId, Lease] = {}
+        for (claimed, _), code in zip(items, codes, strict=True):
+            lease = LEASE_CODES[int(code)]
+            if leases.get(claimed.job.id, Lease.HELD) is Lease.HELD:
+                leases[claimed.job.id] = lease
+        return leases
+
+    async def ack(self, claimed: Claimed) -> bool:
+        """Done with the job. A job still running gets a 500 ``Failed`` (it had no answer).
+
+        False if this consumer no longer held it (someone else acks it).
+        """
+        args: list[EncodableT] = [events.encode(ENDED_WITHOUT_ANSWER)]
+        args += [claimed.job.id, claimed.entry_id]
+        (code,) = await self._run("ACK", [], args)
+        return bool(code == 1)
+
+    async def requeue(self, claimed: Claimed, reason: str) -> bool:
+        """Give a held job back to its queue (at the tail) for another consumer to run.
+
+        False if it had already published output (publish ``Failed`` instead) or is no
+        longer this consumer's.
+        """
+        args: list[EncodableT] = [claimed.job.id, claimed.entry_id]
+        args.append(events.encode(Requeued(reason)))
+        code = int(await self._run("GIVE_BACK", [], args))
+        log.info("job %s requeued by %s: %s (code %d)", claimed.job.id, self.consumer, reason, code)
+        return code == 1
+
+    async def adopt(self, job_id: JobId, attempt: int) -> Claimed | None:
+        """Take over a running job whose worker now answers through this consumer.
+
+        For a push-mode worker that lost its router and reconnected here mid-answer: its
+        output so far stays and it goes on publishing (from ``Claimed.seq``, the number of
+        events published so far); the previous holder is fenced off. None if the job is no
+        longer running, or is running as another ``attempt`` (it was run again elsewhere).
+        """
+        row = await self._run("ADOPT", [], [job_id, attempt])
+        return None if row is None else self._claimed(row)
+
+    async def cancellations(self, *, block_ms: int | None = None) -> AsyncIterator[JobId]:
+        """Ids of jobs this consumer holds that were cancelled, as they come (``BLPOP``)."""
+        block = self.block_ms if block_ms is None else block_ms
+        self._check_block(block)
+        key = self.keys.cancels(self.consumer)
+        while True:
+            popped = await self._retry(
+                lambda: self._redis.blpop([key], timeout=block / 1000), "cancellations"
+            )
+            raise_if_cancelled()
+            if popped:
+                yield JobId(text(popped[1]))
+
+    # ------------------------------------------------------------ recovery
+
+    async def reclaim(
+        self,
+        keys: Sequence[tuple[ModelName, Endpoint]],
+        min_idle_ms: int | None = None,
+        *,
+        count: int = RECLAIM_BATCH,
+    ) -> list[Claimed]:
+        """Take over up to ``count`` (free slots) jobs of these queues whose holder has not
+        renewed for ``min_idle_ms`` (default: the lease).
+
+        Jobs that had published output get a 502 ``Failed`` and are dropped; the rest are
+        returned to be run again.
+        """
+        taken: list[Claimed] = []
+        for model, endpoint in dict.fromkeys(keys) if count > 0 else ():
+            if len(taken) >= count:
+                break
+            queue = self.keys.queue(model, endpoint)
+            rows, _ = await self._reclaim(queue, count - len(taken), min_idle_ms, run=True)
+            taken += [self._claimed(row[1:]) for row in rows if text(row[0]) == "run"]
+        return taken
+
+    async def sweep(self, min_idle_ms: int | None = None) -> Sweep:
+        """Recover every queue under the prefix without running anything.
+
+        Jobs whose holder vanished go back to their queue (or fail if they had answered),
+        and consumers gone for an hour are removed from the group. Nothing is done within a
+        lease of a Redis outage (``OutageLog.within``): holders get to renew first.
+        """
+        failed = requeued = pruned = 0
+        queues = await self._retry(lambda: self._redis.smembers(self.keys.queues), "sweep")
+        if self.outage.within(self.lease_ms / 1000):
+            log.info("sweep by %s put off: Redis was unreachable within a lease", self.consumer)
+            return Sweep()
+        for raw in queues:
+            queue = text(raw)
+            _, kinds = await self._reclaim(queue, None, min_idle_ms, run=False)
+            failed += kinds.count("failed")
+            requeued += kinds.count("requeued")
+            pruned += int(await self._run("PRUNE", [queue], [CONSUMER_IDLE_MS]))
+        return Sweep(failed=failed, requeued=requeued, pruned=pruned)
+
+    async def _reclaim(
+        self, queue: str, count: int | None, min_idle_ms: int | None, *, run: bool
+    ) -> tuple[list[list[Any]], list[str]]:
+        idle = self.lease_ms if min_idle_ms is None else min_idle_ms
+        rows: list[list[Any]] = []
+        kinds: list[str] = []
+        cursor = "0-0"
+        while True:
+            batch = RECLAIM_BATCH if count is None else min(RECLAIM_BATCH, count - len(rows))
+            args: list[EncodableT] = [idle, batch, "1" if run else "0", cursor]
+            args += [events.encode(LOST_AFTER_START), events.encode(LOST_BEFORE_START)]
+            reply = await self._run("RECLAIM", [queue], args)
+            cursor = text(reply[0])
+            for row in reply[1:]:
+                kind = text(row[0])
+                kinds.append(kind)
+                log.warning(
+                    "job %s on %s taken over by %s: %s", text(row[1]), queue, self.consumer, kind
+                )
+                if kind == "run":
+                    rows.append(row)
+            if cursor == "0-0" or (count is not None and len(rows) >= count):
+                return rows, kinds

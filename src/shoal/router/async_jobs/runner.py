@@ -1,0 +1,102 @@
+"""The ``Runner`` that runs an async job through the dispatcher, like a non-streamed request.
+
+It queues the job, waits for a worker (the dispatcher's ``max_wait`` applies, as for any
+request: past it the job fails with the same 503), marks the record running, and returns the
+``Result`` body or the ``Failed`` error. However it ends (answer, error, cancel, shutdown),
+the dispatcher job is cancelled in ``finally``, which is a no-op once it has ended and
+otherwise frees the queue slot or stops the worker's generation.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+
+from shoal.protocol.ids import ModelName
+from shoal.protocol.images import COMPLETED_TYPE, PROGRESS_TYPE
+from shoal.router.async_jobs.service import (
+    RunFailed,
+    Runner,
+    RunOutcome,
+    RunRequest,
+    RunSucceeded,
+)
+from shoal.router.dispatch import Dispatcher
+from shoal.router.errors import RouterError, UpstreamError, WorkerLost
+from shoal.router.jobs import Data, Done, Failed, Job, Requeued, Result
+
+log = logging.getLogger(__name__)
+
+
+def dispatcher_runner(dispatcher: Dispatcher) -> Runner:
+    async def run(request: RunRequest) -> RunOutcome:
+        streamed = request.endpoint.is_image  # streamed for its progress events
+        job = dispatcher.submit(ModelName(request.model), request.endpoint, streamed, request.body)
+        job.key_id = request.key_id
+        log.info("async job %s runs as job %s", request.job_id, job.id)
+        try:
+            await dispatcher.wait_assigned(job)
+            await request.started()
+            if streamed:
+                return await _image_answer(dispatcher, job, request)
+            return await _answer(dispatcher, job)
+        finally:
+            dispatcher.cancel(job, f"async job {request.job_id} cancelled or stopped")
+
+    return run
+
+
+async def _answer(dispatcher: Dispatcher, job: Job) -> RunOutcome:
+    while True:
+        event = await job.events.get()
+        match event:
+            case Requeued():
+                await dispatcher.wait_assigned(job)
+            case Result(body=body):
+                return _succeeded(job, body)
+            case Failed(status=status, error=error):
+                return RunFailed.of(UpstreamError(status, error))
+            case Data() | Done():
+                return RunFailed.of(_unexpected(job, "streamed chunks"))
+
+
+async def _image_answer(dispatcher: Dispatcher, job: Job, request: RunRequest) -> RunOutcome:
+    """An image job's progress events go to the record; its last event is the result."""
+    result: dict[str, Any] | None = None
+    while True:
+        event = await job.events.get()
+        match event:
+            case Requeued():
+                await dispatcher.wait_assigned(job)
+            case Data(data=data):
+                chunk = orjson.loads(data)
+                if chunk.get("type") == PROGRESS_TYPE and request.progress is not None:
+                    await request.progress({k: v for k, v in chunk.items() if k != "type"})
+                elif chunk.get("type") == COMPLETED_TYPE:
+                    result = {k: v for k, v in chunk.items() if k != "type"}
+            case Done() if result is not None:
+                return RunSucceeded(result)
+            case Failed(status=status, error=error):
+                return RunFailed.of(UpstreamError(status, error))
+            case Done() | Result():
+                return RunFailed.of(_unexpected(job, "an image answer without its result"))
+
+
+def _succeeded(job: Job, body: str) -> RunOutcome:
+    try:
+        result: Any = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        result = None
+    if not isinstance(result, dict):
+        return RunFailed.of(_unexpected(job, "an answer that is not a JSON object"))
+    return RunSucceeded(result)
+
+
+def _unexpected(job: Job, what: str) -> RouterError:
+    log.warning("job %s model=%s: worker %s sent %s", job.id, job.model, job.worker_id, what)
+    return WorkerLost(
+        f"The worker sent {what} for this job, which it cannot use; submit it again.",
+        code="bad_worker_answer",
+    )

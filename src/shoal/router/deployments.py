@@ -1,0 +1,431 @@
+"""The pipeline controller inside the router: deploys split models and keeps them serving.
+
+Each deployment (``controller.deployment``) is driven by the events that concern it, never
+by polling: an API call, a worker joining or leaving, a ``ShardStatus`` from a worker, or the
+retry time of a deployment that failed. ``run()`` waits for the next of them and then
+reconciles every deployment:
+
+* PENDING / DEGRADED (once its retry time has come): plan over the connected workers from
+  the GGUF (``controller.profile``); if it fits, start a stage (``ggml-rpc-server``) on every
+  shard but the first, and go STARTING; otherwise stay PENDING with the shortfall.
+* STARTING: when every stage is ready and runs the head's llama.cpp build, open a tunnel per
+  stage through the router (relayed mode; direct mode uses the stages' addresses) and start
+  the head with the plan's ``-ngl``/``--tensor-split``. The head reports where the layers
+  went; SERVING when it serves the model, which then appears in ``/v1/models`` because the
+  head worker advertises it.
+* A shard that fails, or a worker of the deployment that leaves: DEGRADED. Every shard is
+  stopped and a redeploy is tried after a backoff (and at once when a worker joins).
+  Requests for the model meanwhile get a 503 with ``Retry-After``.
+
+Deployments are kept in the router's database (``deployment_store``) and deployed again
+after a restart as workers connect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from shoal.controller.deployment import Deployment, DeploymentSpec, DeploymentState, ShardView
+from shoal.controller.launch import head_launch, placed_layers
+from shoal.controller.placement import Node, NoFit, Plan
+from shoal.controller.profile import Planned, gguf_info, plan_for
+from shoal.protocol.ids import ModelName, WorkerId
+from shoal.protocol.messages import (
+    RpcPeer,
+    ShardRole,
+    ShardStart,
+    ShardState,
+    ShardStatus,
+    ShardStop,
+)
+from shoal.router.deployment_store import DeploymentStore
+from shoal.router.workers import Registry, WorkerConnection
+
+log = logging.getLogger(__name__)
+
+RETRY_FIRST_S = 2.0
+RETRY_MAX_S = 30.0
+START_TIMEOUT_S = 300.0
+"""A deployment whose shards are not all ready this long after starting is redeployed."""
+MAX_DEPLOYMENTS = 32
+
+
+class Tunnels(Protocol):
+    """The router's RPC tunnels: one per (deployment, stage), authenticated by secrets."""
+
+    def open(self, deployment: str, stage: WorkerConnection) -> RpcPeer:
+        """A tunnel to ``stage``'s ggml-rpc-server; the peer entry the head dials it by."""
+        ...
+
+    def close(self, deployment: str) -> None: ...
+
+
+class DeploymentError(Exception):
+    """A deploy request that cannot be accepted (unknown model, bad worker list)."""
+
+
+class Deployments:
+    def __init__(
+        self,
+        registry: Registry,
+        store: DeploymentStore | None,
+        tunnels: Tunnels | None,
+        resolve: Callable[[str], Path],
+    ) -> None:
+        """``resolve``: a model source -> the GGUF on the router (blocking; raises
+        ``ModelError``), for planning."""
+        self.registry = registry
+        self.store = store
+        self.tunnels = tunnels
+        self.resolve = resolve
+        self.items: dict[str, Deployment] = {}
+        self._kv_per_layer: dict[str, int] = {}  # for reading layer counts from placements
+        self._n_layers: dict[str, int] = {}
+        self._wake = asyncio.Event()
+
+    # ------------------------------------------------------------ API side
+
+    async def load(self) -> None:
+        """The deployments persisted by earlier runs (deployed as workers connect)."""
+        if self.store is None:
+            return
+        for spec in await asyncio.to_thread(self.store.load):
+            self.items[spec.name] = Deployment(spec)
+            log.info("deployment %s of %s restored; waiting for workers", spec.name, spec.source)
+        self.wake()
+
+    async def deploy(self, spec: DeploymentSpec) -> Deployment:
+        """Accept and persist a deployment; it starts as soon as a plan fits."""
+        await asyncio.to_thread(self.resolve, spec.source)  # raises for an unknown model
+        old = self.items.get(spec.name)
+        if old is None and len(self.items) >= MAX_DEPLOYMENTS:
+            raise DeploymentError(
+                f"this router already runs {MAX_DEPLOYMENTS} deployments; undeploy one first"
+            )
+        if old is not None and old.spec.source != spec.source:
+            raise DeploymentError(
+                f"a deployment named {spec.name!r} of {old.spec.source} exists; undeploy it "
+                "first or choose another name"
+            )
+        if self.store is not None:
+            await asyncio.to_thread(self.store.save, spec)
+        if old is not None:
+            self._stop_shards(old, "redeployed with new settings")
+        deployment = Deployment(spec)
+        self.items[spec.name] = deployment
+        log.info("deployment %s of %s accepted (%s mode)", spec.name, spec.source, spec.mode)
+        self._reconcile(deployment, time.monotonic())
+        self.wake()
+        return deployment
+
+    async def undeploy(self, name: str) -> Deployment | None:
+        deployment = self.items.pop(name, None)
+        if deployment is None:
+            return None
+        if self.store is not None:
+            await asyncio.to_thread(self.store.delete, name)
+        self._stop_shards(deployment, "undeployed")
+        log.info("deployment %s undeployed", name)
+        return deployment
+
+    def rebalance(self, name: str | None) -> list[Deployment]:
+        """Plan again over the workers there are now and redeploy where the plan changed."""
+        chosen = [d for d in self.items.values() if name is None or d.name == name]
+        for d in chosen:
+            planned = self._plan(d)
+            new = planned.result if planned is not None else None
+            if isinstance(new, Plan) and (d.plan is None or _layout(d.plan) != _layout(new)):
+                self._stop_shards(d, "rebalancing")
+                d.move(DeploymentState.PENDING, "rebalancing")
+                d.retry_at = 0.0
+        self.wake()
+        return chosen
+
+    def unavailable(self, model: ModelName) -> str | None:
+        """Why requests for a deployed model cannot be served now (None: they can)."""
+        d = self.items.get(model)
+        if d is None or d.state is DeploymentState.SERVING:
+            return None
+        return (
+            f"The model {model!r} is split over several workers and is {d.state.value} "
+            f"({d.detail}); retry in a few seconds."
+        )
+
+    # ------------------------------------------------------------ worker side
+
+    def on_registered(self, worker: WorkerConnection) -> None:
+        """A worker joined: stop shards it may still run from before; plans may fit now."""
+        for d in self.items.values():
+            if d.shard_of(worker.id) is None:
+                worker.send(ShardStop(deployment=d.name))
+            elif d.state is not DeploymentState.PENDING:
+                self._degrade(d, f"worker {worker.id} reconnected")
+        self.wake()
+
+    def on_lost(self, worker: WorkerConnection) -> None:
+        for d in self.items.values():
+            if d.shard_of(worker.id) is not None and d.state is not DeploymentState.PENDING:
+                self._degrade(d, f"worker {worker.id} ({worker.name}) left")
+        self.wake()
+
+    def on_shard(self, worker: WorkerConnection, msg: ShardStatus) -> None:
+        d = self.items.get(msg.deployment)
+        shard = d.shard_of(worker.id) if d is not None else None
+        if d is None or shard is None or shard.role is not msg.role:
+            if msg.state in (ShardState.STARTING, ShardState.READY):
+                worker.send(ShardStop(deployment=msg.deployment))  # not part of it (any more)
+            return
+        shard.state, shard.detail, shard.build = msg.state, msg.detail, msg.build
+        shard.rpc_address = msg.rpc_address
+        shard.placement = msg.placement
+        odd = _other_builds(d, shard)
+        if odd:
+            self._degrade(d, odd)
+        elif msg.state is ShardState.FAILED:
+            self._degrade(d, f"{shard.role.value} on {worker.id} failed: {msg.detail}")
+        elif msg.state is ShardState.READY and d.state is DeploymentState.STARTING:
+            if shard.role is ShardRole.HEAD:
+                d.move(DeploymentState.SERVING, _placement_note(d))
+            elif all(s.state is ShardState.READY for s in d.stages):
+                self._start_head(d)
+        self.wake()
+
+    # ------------------------------------------------------------ the loop
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        await self.load()
+        while True:
+            self._wake.clear()
+            now = time.monotonic()
+            for d in list(self.items.values()):
+                self._reconcile(d, now)
+            waits = [d.retry_at - now for d in self.items.values() if d.retry_at > now]
+            try:
+                async with asyncio.timeout(min(waits) if waits else None):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+
+    def _reconcile(self, d: Deployment, now: float) -> None:
+        if d.state is DeploymentState.STARTING and now - d.changed_at > START_TIMEOUT_S:
+            self._degrade(d, f"not ready after {START_TIMEOUT_S:g} s")
+        if d.state in (DeploymentState.PENDING, DeploymentState.DEGRADED) and now >= d.retry_at:
+            self._start(d)
+
+    def _plan(self, d: Deployment) -> Planned | None:
+        nodes = self._nodes(d)
+        if nodes is None:
+            return None
+        try:
+            info = gguf_info(self.resolve(d.spec.source))
+        except Exception as exc:  # the file went away or broke: say so, keep the deployment
+            self._pending(d, f"cannot read {d.spec.source}: {exc}")
+            return None
+        return plan_for(info, nodes, d.spec.ctx, d.spec.strategy)
+
+    def _nodes(self, d: Deployment) -> list[Node] | None:
+        workers = [w for w in self.registry if w.ready]
+        if d.spec.workers is not None:
+            by_key = {w.id: w for w in workers} | {w.name: w for w in workers}
+            missing = [k for k in d.spec.workers if k not in by_key]
+            if missing:
+                self._pending(d, f"waiting for worker(s) {', '.join(missing)}")
+                return None
+            workers = [by_key[k] for k in d.spec.workers]
+        else:
+            workers.sort(key=lambda w: (w.name, w.id))
+        if not workers:
+            self._pending(d, "waiting for workers")
+            return None
+        return [Node(id=w.id, free_bytes=w.ram_available_bytes) for w in workers]
+
+    def _start(self, d: Deployment) -> None:
+        planned = self._plan(d)
+        if planned is None:
+            return
+        result = planned.result
+        if isinstance(result, NoFit):
+            self._pending(d, result.reason)
+            return
+        d.plan = result
+        d.shards = [
+            ShardView(
+                worker_id=s.node_id,
+                role=ShardRole.HEAD if i == 0 else ShardRole.STAGE,
+                first_layer=s.first_layer,
+                last_layer=s.last_layer,
+                planned_bytes=s.total_bytes,
+                free_bytes=s.free_bytes,
+            )
+            for i, s in enumerate(result.shards)
+        ]
+        d.attempts += 1
+        d.retry_at = time.monotonic() + _backoff(d.attempts)
+        layers = ", ".join(f"{s.worker_id}: {s.first_layer}-{s.last_layer}" for s in d.shards)
+        d.move(DeploymentState.STARTING, f"layers {layers}")
+        self._kv_per_layer[d.name] = planned.kv_bytes_per_layer()
+        self._n_layers[d.name] = planned.info.n_layers
+        if not d.stages:
+            self._start_head(d)
+            return
+        for shard in d.stages:
+            self._send(shard.worker_id, self._shard_start(d, ShardRole.STAGE))
+
+    def _start_head(self, d: Deployment) -> None:
+        head = d.head
+        assert head is not None and d.plan is not None
+        peers: list[RpcPeer] = []
+        for shard in d.stages:
+            if d.spec.mode == "direct":
+                if shard.rpc_address is None:
+                    self._degrade(d, f"stage {shard.worker_id} gave no direct address")
+                    return
+                peers.append(RpcPeer(worker_id=WorkerId(shard.worker_id), direct=shard.rpc_address))
+                continue
+            stage = self.registry.get(WorkerId(shard.worker_id))
+            try:
+                if self.tunnels is None or stage is None:
+                    raise RuntimeError(f"stage {shard.worker_id} is not connected here")
+                peers.append(self.tunnels.open(d.name, stage))
+            except RuntimeError as exc:  # the listener is not up (yet), or the stage left
+                self._degrade(d, f"no tunnel to stage {shard.worker_id}: {exc}")
+                return
+        launch = head_launch(d.plan)
+        start = self._shard_start(d, ShardRole.HEAD).model_copy(
+            update={
+                "peers": tuple(peers),
+                "n_gpu_layers": launch.n_gpu_layers,
+                "tensor_split": tuple(float(x) for x in launch.tensor_split),
+            }
+        )
+        self._send(head.worker_id, start)
+
+    def _shard_start(self, d: Deployment, role: ShardRole) -> ShardStart:
+        return ShardStart(
+            deployment=d.name,
+            role=role,
+            model=ModelName(d.name),
+            source=d.spec.source,
+            ctx_size=d.plan.ctx if d.plan else d.spec.ctx,
+            slots=d.spec.slots,
+            direct=d.spec.mode == "direct",
+        )
+
+    def _send(self, worker_id: str, msg: ShardStart) -> None:
+        worker = self.registry.get(WorkerId(worker_id))
+        if worker is not None:
+            worker.send(msg)
+
+    def _pending(self, d: Deployment, why: str) -> None:
+        if d.state is not DeploymentState.PENDING:
+            self._stop_shards(d, why)
+        d.move(DeploymentState.PENDING, why)
+        d.retry_at = 0.0  # planned again at the next event (a worker joining, a heartbeat)
+
+    def _degrade(self, d: Deployment, why: str) -> None:
+        self._stop_shards(d, why)
+        if d.state is not DeploymentState.PENDING:
+            d.move(DeploymentState.DEGRADED, why)
+        d.retry_at = time.monotonic() + _backoff(d.attempts)
+
+    def _stop_shards(self, d: Deployment, why: str) -> None:
+        for shard in d.shards:
+            worker = self.registry.get(WorkerId(shard.worker_id))
+            if worker is not None:
+                worker.send(ShardStop(deployment=d.name))
+        if d.shards:
+            log.info("deployment %s: shards stopped (%s)", d.name, why)
+        if self.tunnels is not None:
+            self.tunnels.close(d.name)
+        d.shards = []
+        d.plan = None
+
+    # ------------------------------------------------------------ views
+
+    def status(self) -> list[dict[str, Any]]:
+        return [self._view(d) for d in self.items.values()]
+
+    def _view(self, d: Deployment) -> dict[str, Any]:
+        kv_per_layer = self._kv_per_layer.get(d.name, 0)
+        launch = head_launch(d.plan) if d.plan is not None else None
+        return {
+            "name": d.name,
+            "model": d.spec.source,
+            "state": d.state.value,
+            "detail": d.detail,
+            "mode": d.spec.mode,
+            "ctx": d.plan.ctx if d.plan else d.spec.ctx,
+            "strategy": d.spec.strategy.value,
+            "workers": list(d.spec.workers) if d.spec.workers is not None else None,
+            "n_layers": self._n_layers.get(d.name),
+            "n_gpu_layers": launch.n_gpu_layers if launch else None,
+            "tensor_split": list(launch.tensor_split) if launch else None,
+            "shards": [self._shard_view(s, kv_per_layer) for s in d.shards],
+        }
+
+    def _shard_view(self, s: ShardView, kv_per_layer: int) -> dict[str, Any]:
+        worker = self.registry.get(WorkerId(s.worker_id))
+        placed = (
+            placed_layers([p.kv_bytes for p in s.placement], kv_per_layer)
+            if kv_per_layer and s.placement
+            else ()
+        )
+        return {
+            "worker": s.worker_id,
+            "worker_name": worker.name if worker else None,
+            "role": s.role.value,
+            "layers": [s.first_layer, s.last_layer],
+            "n_layers": s.last_layer - s.first_layer + 1,
+            "state": s.state.value,
+            "detail": s.detail,
+            "planned_bytes": s.planned_bytes,
+            "free_bytes": s.free_bytes,
+            "build": s.build or None,
+            "placement": [
+                {"device": p.device, "model_bytes": p.model_bytes, "kv_bytes": p.kv_bytes}
+                | ({"layers": placed[i]} if placed else {})
+                for i, p in enumerate(s.placement)
+            ],
+            "last_heartbeat_s_ago": (
+                round(time.monotonic() - worker.last_seen, 3) if worker else None
+            ),
+        }
+
+
+def _other_builds(d: Deployment, reported: ShardView) -> str:
+    """Why the shards cannot work together ('' if they can): llama.cpp's RPC protocol
+    changes between builds, so the head and every stage must run the same one."""
+    if not reported.build:
+        return ""
+    odd = [s for s in d.shards if s.build and s.build != reported.build]
+    if not odd:
+        return ""
+    runs = ", ".join(f"{s.role.value} {s.worker_id} runs {s.build}" for s in odd)
+    return (
+        f"llama.cpp builds differ: {reported.role.value} {reported.worker_id} runs "
+        f"{reported.build}, {runs}; install the same Shoal version on every worker"
+    )
+
+
+def _layout(plan: Plan) -> tuple[tuple[str, int, int], ...]:
+    return tuple((s.node_id, s.first_layer, s.last_layer) for s in plan.shards)
+
+
+def _backoff(attempts: int) -> float:
+    return float(min(RETRY_MAX_S, RETRY_FIRST_S * 2.0 ** max(attempts - 1, 0)))
+
+
+def _placement_note(d: Deployment) -> str:
+    head = d.head
+    if head is None or not head.placement:
+        return "serving"
+    devices = ", ".join(f"{p.device} {p.model_bytes / 2**20:.1f} MiB" for p in head.placement)
+    return f"serving; placement: {devices}"

@@ -1,0 +1,149 @@
+"""The pipeline controller's API: deploy a model split over workers, watch it, take it down.
+
+All routes need the admin key. ``deploy`` answers at once (202) with the deployment as it
+stands; its shards start in the background and ``status`` follows them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import Response
+
+from shoal.controller.deployment import NAME_RE, DeploymentSpec
+from shoal.controller.placement import Strategy
+from shoal.models.errors import ModelError
+from shoal.router.context import context
+from shoal.router.deployments import DeploymentError, Deployments
+from shoal.router.errors import BadRequest, Conflict, ModelNotFound, NotFound, Unavailable
+from shoal.router.routes.common import json_response
+
+router = APIRouter()
+
+
+class DeployRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="A model id the router knows, or the path of a .gguf file.")
+    name: str | None = Field(
+        None, description="Public name to serve it under (default: the model id)."
+    )
+    workers: list[str] | None = Field(
+        None,
+        description="Worker names or ids in pipeline order; the first is the head "
+        "(runs llama-server). Default: every connected worker, by name.",
+    )
+    ctx: int = Field(4096, ge=256, le=1 << 22, description="Total context (KV cells).")
+    strategy: Strategy = Strategy.PROPORTIONAL
+    mode: Literal["relayed", "direct"] = Field(
+        "relayed",
+        description="relayed: RPC through the router's authenticated tunnel (no inbound port "
+        "on any worker); direct: the head dials the stages' --rpc-host (trusted LANs only).",
+    )
+    slots: int = Field(1, ge=1, le=64, description="Requests the split model serves at once.")
+
+
+class NameRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="The deployment's name (its public model name).")
+
+
+class RebalanceRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(None, description="One deployment (default: all).")
+
+
+def _controller(request: Request) -> Deployments:
+    deployments = context(request).deployments
+    if deployments is None:
+        raise Unavailable("This router runs no pipeline controller.")
+    return deployments
+
+
+@router.get("/api/v1/pipeline/models")
+async def pipeline_models(request: Request) -> Response:
+    """The split models: name, model file and state."""
+    await context(request).keys.admin(request.headers)
+    data = [
+        {"id": d["name"], "object": "model", "model": d["model"], "state": d["state"]}
+        for d in _controller(request).status()
+    ]
+    return json_response({"object": "list", "data": data})
+
+
+@router.post("/api/v1/pipeline/deploy", status_code=202)
+async def deploy(request: Request, body: DeployRequest) -> Response:
+    """Split a model over workers and serve it; 202 with the deployment's state."""
+    ctx = context(request)
+    await ctx.keys.admin(request.headers)
+    name = body.name or _default_name(body.model)
+    if not NAME_RE.match(name):
+        raise BadRequest(
+            f"{name!r} is not a usable model name: use letters, digits and . _ : / - "
+            "(up to 128), starting with a letter or digit.",
+            param="name",
+        )
+    spec = DeploymentSpec(
+        name=name,
+        source=body.model,
+        ctx=body.ctx,
+        strategy=body.strategy,
+        workers=tuple(body.workers) if body.workers is not None else None,
+        mode=body.mode,
+        slots=body.slots,
+    )
+    controller = _controller(request)
+    try:
+        await controller.deploy(spec)
+    except ModelError as exc:
+        raise ModelNotFound(str(exc), param="model") from None
+    except DeploymentError as exc:
+        raise Conflict(str(exc), param="name") from None
+    return json_response(_one(controller, name), status=202)
+
+
+@router.post("/api/v1/pipeline/undeploy")
+async def undeploy(request: Request, body: NameRequest) -> Response:
+    await context(request).keys.admin(request.headers)
+    controller = _controller(request)
+    gone = await controller.undeploy(body.name)
+    if gone is None:
+        raise NotFound(_unknown(controller, body.name), param="name")
+    return json_response({"name": body.name, "state": "undeployed"})
+
+
+@router.get("/api/v1/pipeline/status")
+async def status(request: Request) -> Response:
+    """Every deployment with its shards: worker, layers, state, memory, last heartbeat."""
+    await context(request).keys.admin(request.headers)
+    return json_response({"object": "list", "data": _controller(request).status()})
+
+
+@router.post("/api/v1/pipeline/rebalance")
+async def rebalance(request: Request, body: RebalanceRequest) -> Response:
+    """Plan again over the workers connected now; redeploy where the plan changed."""
+    await context(request).keys.admin(request.headers)
+    controller = _controller(request)
+    if body.name is not None and body.name not in controller.items:
+        raise NotFound(_unknown(controller, body.name), param="name")
+    chosen = controller.rebalance(body.name)
+    return json_response({"object": "list", "data": [_one(controller, d.name) for d in chosen]})
+
+
+def _one(controller: Deployments, name: str) -> dict[str, object]:
+    return next(d for d in controller.status() if d["name"] == name)
+
+
+def _unknown(controller: Deployments, name: str) -> str:
+    known = ", ".join(sorted(controller.items)) or "none"
+    return f"No deployment is named {name!r}. Deployments: {known}."
+
+
+def _default_name(model: str) -> str:
+    """The model id; for a path, the file name without ``.gguf``."""
+    tail = model.rstrip("/").rsplit("/", 1)[-1]
+    return tail[: -len(".gguf")] if tail.lower().endswith(".gguf") else model

@@ -1,0 +1,25 @@
+"""The gauges of ``/metrics``, read from the registry and the dispatcher at scrape time."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from shoal.router.dispatch import Dispatcher
+from shoal.router.metrics import Snapshot
+from shoal.router.workers import Registry
+
+
+def snapshot(registry: Registry, dispatcher: Dispatcher) -> Snapshot:
+    workers = Counter(w.backend_state.value for w in registry)
+    free: dict[str, int] = defaultdict(int)
+    for w in registry:
+        for m in w.models:
+            free[m.name] += max(w.slots - len(w.running), 0) if w.ready else 0
+    # Every model served anywhere has a series (0 when nothing waits); the depths are the
+    # cluster's with Redis (see ``Dispatcher.queue_depths``).
+    served = {m.name for w in registry for m in w.models}
+    served |= {m.name for r in dispatcher.remote_workers() for m in r.models}
+    depth: dict[str, int] = dict.fromkeys(served, 0)
+    for model, waiting in dispatcher.queue_depths().items():
+        depth[model] = waiting
+    return Snapshot(queue_depth=depth, workers=dict(workers), ready_slots=dict(free))

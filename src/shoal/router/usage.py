@@ -1,0 +1,73 @@
+"""How many tokens an answer used, read from the answer itself without parsing all of it.
+
+OpenAI-style bodies carry ``usage``; llama-server also attaches ``timings`` (``prompt_n``,
+``cache_n``, ``predicted_n``) to the last chunk of every stream, which is the only count a
+streamed chat answer carries when the client did not ask for ``stream_options.include_usage``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import orjson
+
+# The usage object: flat, or with one level of nesting (``prompt_tokens_details``).
+_USAGE = re.compile(r'"usage"\s*:\s*(\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\})')
+_USAGE_KEY = '"usage"'
+
+
+def usage_of(body: str) -> tuple[int, int] | None:
+    """``(prompt_tokens, completion_tokens)`` from a response body or final stream chunk.
+
+    Finds the ``"usage"`` object without parsing the whole body, which for embeddings can
+    be megabytes of floats. Inside JSON strings a quote is escaped, so ``"usage"`` followed by
+    a colon only occurs as a key. Embeddings have no ``completion_tokens``: 0 then. None when
+    there is no well-formed usage.
+    """
+    end = len(body)
+    while (at := body.rfind(_USAGE_KEY, 0, end)) != -1:
+        match = _USAGE.match(body, at)
+        if match is not None:
+            return _usage_numbers(match.group(1))
+        end = at
+    return None
+
+
+def _usage_numbers(text: str) -> tuple[int, int] | None:
+    try:
+        usage = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return None
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens", 0)
+    if not (_count(prompt) and _count(completion)):
+        return None
+    return prompt, completion
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+_TIMINGS = re.compile(r'"timings"\s*:\s*(\{[^{}]*\})')
+
+
+def tokens_of(body: str) -> tuple[int, int] | None:
+    """``(tokens in, tokens out)`` of an answer: its ``usage``, else llama-server's
+    ``timings`` (prompt tokens are the ones evaluated plus those reused from the cache)."""
+    usage = usage_of(body)
+    if usage is not None:
+        return usage
+    at = body.rfind('"timings"')
+    match = _TIMINGS.match(body, at) if at != -1 else None
+    if match is None:
+        return None
+    try:
+        timings = orjson.loads(match.group(1))
+    except orjson.JSONDecodeError:
+        return None
+    prompt = timings.get("prompt_n", 0) + timings.get("cache_n", 0)
+    completion = timings.get("predicted_n")
+    if not (_count(prompt) and _count(completion)):
+        return None
+    return prompt, completion

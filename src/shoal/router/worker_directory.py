@@ -1,0 +1,168 @@
+"""The cluster's worker list, shared by every router on one Redis.
+
+Each router writes a hash per worker connected to it (``redis_keys.worker_key``: its
+``summary`` as JSON and the ``router`` holding it), with a TTL it refreshes every sync, and
+deletes it when the worker disconnects; a router that dies leaves hashes that expire. Each
+sync also reads every worker hash (through the ``worker_index_key`` set, never ``SCAN``),
+so ``remote`` is the other routers' workers as of the last sync. A sync runs every
+``interval_s`` and at once after ``changed()`` (a worker joined or left here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+
+from shoal.protocol.ids import ModelName, WorkerId
+from shoal.protocol.messages import BackendState, Endpoint, ModelInfo
+from shoal.queue.redis_keys import worker_index_key, worker_key
+from shoal.queue.redis_support import (
+    REDIS_DOWN,
+    RETRY_MAX_DELAY_S,
+    OutageLog,
+    raise_if_cancelled,
+    text,
+)
+from shoal.router.workers import Registry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteWorker:
+    """A worker connected to another router, as that router last wrote it."""
+
+    id: WorkerId
+    router: str
+    state: BackendState
+    connected_at: float
+    models: tuple[ModelInfo, ...]
+    summary: dict[str, Any]
+
+    def serves(self, model: ModelName, endpoint: Endpoint | None = None) -> bool:
+        return any(
+            m.name == model and (endpoint is None or endpoint in m.endpoints) for m in self.models
+        )
+
+
+def parse_remote(worker_id: str, router: str, raw: bytes | str) -> RemoteWorker | None:
+    """A worker hash's fields as a ``RemoteWorker``; None (logged) if it cannot be read."""
+    try:
+        summary: dict[str, Any] = orjson.loads(raw)
+        models = tuple(ModelInfo.model_validate(m) for m in summary.get("models", ()))
+        return RemoteWorker(
+            id=WorkerId(worker_id),
+            router=router,
+            state=BackendState(summary["state"]),
+            connected_at=float(summary.get("connected_at", 0.0)),
+            models=models,
+            summary={**summary, "router": router},
+        )
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        log.warning("worker %s: unreadable entry from router %s: %s", worker_id, router, exc)
+        return None
+
+
+class WorkerDirectory:
+    """Publishes this router's workers to Redis and reads every other router's."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        prefix: str,
+        router: str,
+        registry: Registry,
+        *,
+        interval_s: float,
+        outage: OutageLog | None = None,
+    ) -> None:
+        self.router = router
+        self.outage = outage or OutageLog()
+        self.remote: list[RemoteWorker] = []
+        self._redis = redis
+        self._prefix = prefix
+        self._registry = registry
+        self._interval_s = interval_s
+        self._ttl_ms = int(interval_s * 3000) + 1000  # three missed syncs and it is gone
+        self._written: set[str] = set()
+        self._changed = asyncio.Event()
+
+    def changed(self) -> None:
+        """A worker joined or left this router: sync now rather than at the next interval."""
+        self._changed.set()
+
+    async def run(self) -> None:
+        delay = self._interval_s
+        try:
+            while True:
+                try:
+                    await self.sync()
+                    delay = self._interval_s
+                    self.outage.succeeded()
+                except REDIS_DOWN as exc:
+                    self.outage.failed("worker directory", exc)
+                    delay = min(delay * 2, RETRY_MAX_DELAY_S)
+                raise_if_cancelled()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await self._changed.wait()
+                self._changed.clear()
+        finally:
+            with contextlib.suppress(*REDIS_DOWN):
+                await self._forget(self._written)
+
+    async def sync(self) -> None:
+        """Write this router's workers, delete the ones that left, read everyone's."""
+        index = worker_index_key(self._prefix)
+        mine = {w.id: w.summary() for w in self._registry}
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for worker_id, summary in mine.items():
+                key = worker_key(self._prefix, worker_id)
+                pipe.hset(key, mapping={"router": self.router, "summary": orjson.dumps(summary)})
+                pipe.pexpire(key, self._ttl_ms)
+                pipe.sadd(index, worker_id)
+            await pipe.execute()
+        await self._forget(self._written - set(mine))
+        self._written = set(mine)
+        self.remote = await self._read_all(index)
+
+    async def _forget(self, worker_ids: set[str]) -> None:
+        if worker_ids:
+            await self._unlink_mine(sorted(worker_ids))
+
+    async def _unlink_mine(self, worker_ids: list[str]) -> None:
+        """Delete the hashes of workers that left, unless another router holds them now."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for worker_id in worker_ids:
+                pipe.hget(worker_key(self._prefix, worker_id), "router")
+            owners = await pipe.execute()
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for worker_id, owner in zip(worker_ids, owners, strict=True):
+                if owner is not None and text(owner) == self.router:
+                    pipe.unlink(worker_key(self._prefix, worker_id))
+            await pipe.execute()
+
+    async def _read_all(self, index: str) -> list[RemoteWorker]:
+        ids = sorted(text(i) for i in await self._redis.smembers(index))
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for worker_id in ids:
+                pipe.hmget(worker_key(self._prefix, worker_id), ["router", "summary"])
+            rows = await pipe.execute()
+        remote: list[RemoteWorker] = []
+        expired: list[str] = []
+        for worker_id, (router, summary) in zip(ids, rows, strict=True):
+            if router is None or summary is None:
+                expired.append(worker_id)
+            elif text(router) != self.router:
+                entry = parse_remote(worker_id, text(router), summary)
+                if entry is not None:
+                    remote.append(entry)
+        if expired:
+            await self._redis.srem(index, *expired)
+        return remote

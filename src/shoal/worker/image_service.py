@@ -1,0 +1,180 @@
+"""An image model on this worker: its engine, its state machine, and the idle-unload rule.
+
+    LOADING ──loaded──▶ READY ──idle_unload_s without jobs, or unload()──▶ UNLOADED
+       │  ▲                                                                  │
+       │  └───────────────a job arrives (it waits), or load()────────────────┘
+       └──load failed──▶ FAILED ──load() (retry)──▶ LOADING
+
+A model past ``--image-max-loaded`` starts UNLOADED (``start_unloaded``). ``use`` is the gate of
+its jobs, like ``LlamaServer.use`` for text: it loads the model when it is unloaded and holds it
+while the job runs. Nothing polls: ``run`` waits on events and on the idle deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+from shoal.protocol.ids import ModelName
+from shoal.protocol.messages import BackendState, Endpoint, ModelInfo
+from shoal.worker.image_engine import ImageEngine, ImageEngineError
+from shoal.worker.llama_server import NotServing
+
+log = logging.getLogger(__name__)
+
+StateCallback = Callable[[BackendState, str], None]
+IMAGE_MODEL_ENDPOINTS = (Endpoint.IMAGE_GENERATIONS, Endpoint.IMAGE_EDITS)
+
+_ALLOWED: dict[BackendState, frozenset[BackendState]] = {
+    BackendState.LOADING: frozenset({BackendState.READY, BackendState.FAILED}),
+    BackendState.READY: frozenset({BackendState.UNLOADED}),
+    BackendState.UNLOADED: frozenset({BackendState.LOADING}),
+    BackendState.FAILED: frozenset({BackendState.LOADING}),
+    BackendState.RESTARTING: frozenset(),
+}
+
+
+class ImageNotServing(NotServing):
+    """A job waited for the image model, which failed to load."""
+
+
+class ImageService:
+    def __init__(
+        self,
+        name: ModelName,
+        engine: ImageEngine,
+        *,
+        idle_unload_s: float = 0.0,
+        on_state: StateCallback | None = None,
+    ) -> None:
+        self.name = name
+        self.engine = engine
+        self.idle_unload_s = idle_unload_s
+        self.on_state = on_state
+        self.state = BackendState.LOADING
+        self.detail = ""
+        self._active = 0
+        self._last_job_at = time.monotonic()
+        self._changed = asyncio.Event()
+        self._wanted = asyncio.Event()
+        """A job (or ``load()``) needs the model while it is unloaded or failed."""
+        self._poke = asyncio.Event()
+        """A job ended, or ``unload()`` was asked: the idle deadline is looked at again."""
+        self._unload_asked = False
+
+    def info(self) -> ModelInfo:
+        return ModelInfo(
+            name=self.name,
+            endpoints=IMAGE_MODEL_ENDPOINTS,
+            backend=self.engine.backend,
+            state=self.state,
+        )
+
+    def _move(self, state: BackendState, detail: str = "") -> None:
+        if state not in _ALLOWED[self.state]:
+            raise RuntimeError(f"image model {self.name}: {self.state} -> {state} is not allowed")
+        log.info("image model %s: %s -> %s %s", self.name, self.state, state, detail)
+        self.state, self.detail = state, detail
+        self._changed.set()
+        self._changed = asyncio.Event()
+        if self.on_state is not None:
+            self.on_state(state, detail)
+
+    # ------------------------------------------------------------ requests
+
+    @contextlib.asynccontextmanager
+    async def use(self) -> AsyncIterator[None]:
+        """Hold the model for one job: load it first if needed; raises ``ImageNotServing``
+        when loading fails while the job waits."""
+        self._active += 1
+        try:
+            while self.state is not BackendState.READY:
+                if self.state is BackendState.FAILED:
+                    raise ImageNotServing(self.detail)
+                if self.state is BackendState.UNLOADED:
+                    self._wanted.set()
+                await self._changed.wait()
+            yield
+        finally:
+            self._active -= 1
+            self._last_job_at = time.monotonic()
+            self._poke.set()
+
+    @property
+    def last_used(self) -> float:
+        """Monotonic time a job last held the model (now, while one does)."""
+        return time.monotonic() if self._active else self._last_job_at
+
+    def start_unloaded(self) -> None:
+        """Before ``run``: do not load at start; the first job (or ``load()``) loads it."""
+        log.info("image model %s: starts unloaded (loads on its first job)", self.name)
+        self.state = BackendState.UNLOADED
+
+    async def wait_for(self, *states: BackendState) -> None:
+        while self.state not in states:
+            await self._changed.wait()
+
+    def load(self) -> None:
+        """Load the model now (or retry a failed load); ``run`` does it."""
+        self._unload_asked = False
+        self._wanted.set()
+
+    def unload(self) -> None:
+        """Unload the model once no job holds it; the next job loads it again."""
+        self._unload_asked = True
+        self._poke.set()
+
+    # ------------------------------------------------------------ the loop
+
+    async def run(self) -> None:
+        """Load, serve, unload when idle (or asked), load again on demand; until cancelled."""
+        try:
+            while True:
+                if self.state is BackendState.LOADING:
+                    await self._load()
+                if self.state is BackendState.READY:
+                    why = await self._until_unload()
+                    await self.engine.unload()
+                    self._move(BackendState.UNLOADED, why)
+                await self._wanted.wait()
+                self._wanted.clear()
+                self._move(BackendState.LOADING, "a job arrived, or a load was asked")
+        finally:
+            with contextlib.suppress(ImageEngineError):
+                await self.engine.unload()
+
+    async def _load(self) -> None:
+        started = time.monotonic()
+        try:
+            await self.engine.load()
+        except ImageEngineError as exc:
+            self._move(BackendState.FAILED, str(exc))
+            return
+        self._unload_asked = False
+        self._last_job_at = time.monotonic()  # idle time counts from now, not from the request
+        self._move(BackendState.READY, f"loaded in {time.monotonic() - started:.1f} s")
+
+    def _idle_left(self) -> float | None:
+        if self._active:
+            return None
+        if self._unload_asked:
+            return 0.0
+        if not self.idle_unload_s:
+            return None
+        return self._last_job_at + self.idle_unload_s - time.monotonic()
+
+    async def _until_unload(self) -> str:
+        """Wait until the model should be unloaded; why."""
+        while True:
+            self._poke.clear()
+            left = self._idle_left()
+            if left is not None and left <= 0:
+                if self._unload_asked:
+                    return "unload asked"
+                return f"no jobs for {self.idle_unload_s:g} s; memory freed"
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await self._poke.wait()

@@ -1,0 +1,439 @@
+"""Pull mode: the worker takes jobs straight from the Redis job queue, with no router link.
+
+For sites where Redis is the one shared service (``shoal worker --redis-url``). The puller is
+a consumer of ``RedisJobQueue``, as a router's ``Holder`` is for its WebSocket workers, with
+this worker's slots::
+
+    STARTING ──▶ CLAIMING ◀──▶ FULL     (every slot busy: waits for a job to end)
+                    ▲  │
+                    │  └──────▶ PAUSED  (the backend cannot serve: loading, restarting, failed)
+                    └── backoff ── REDIS_DOWN (a claim failed: Redis unreachable)
+
+CLAIMING is a blocking ``XREADGROUP`` for as many jobs as there are free slots, for every
+(model, endpoint) this worker serves. FULL and PAUSED wait on an event (a job ended, the
+backend or models changed), never polling. Each job runs in the ``JobRunner``; its output
+comes back here (this class is its ``JobSink``) and is published in one round trip per batch
+(whatever piled up while the previous publish was in flight). Leases are renewed every
+``renew_interval_s``; cancellations stop the job in the runner. A retryable failure of a job
+that published nothing goes back to its queue for any worker to run. A periodic ``sweep``
+puts back the jobs of holders that died (a killed pull worker, a dead router).
+
+During a Redis outage the jobs held keep running; a publish that still fails after the
+queue's ``outage_s`` stops its job here (the sweep recovers it once Redis is back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import redis.asyncio as aioredis
+
+from shoal.protocol.ids import JobId, ModelName
+from shoal.protocol.messages import (
+    BackendState,
+    Endpoint,
+    JobDone,
+    JobFailed,
+    JobResult,
+    JobStart,
+    ModelInfo,
+    Register,
+)
+from shoal.queue import events
+from shoal.queue.redis_streams import LEASE_MS, LOST_AFTER_START, Claimed, RedisJobQueue
+from shoal.queue.redis_support import REDIS_DOWN, RETRY_MAX_DELAY_S, Lease, raise_if_cancelled
+from shoal.worker.backoff import Backoff
+from shoal.worker.hardware import MemoryProbe
+from shoal.worker.redis_presence import Presence, Summary, summary
+from shoal.worker.runner import JobRunner
+from shoal.worker.sink import JobOutcome
+
+log = logging.getLogger(__name__)
+
+SOCKET_TIMEOUT_S = 10.0
+"""The Redis client's socket timeout: longer than the queue's blocking reads (2 s)."""
+CONNECT_TIMEOUT_S = 2.0
+MAX_REQUEUES = 2
+"""Times a job that failed retryably here goes back to its queue (the routers' default)."""
+SWEEP_EVERY_LEASES = 0.5  # sweep for dead holders twice per lease
+STOP_TIMEOUT_S = 2.0
+"""How long a stopping worker tries to hand back its jobs (else the sweep recovers them)."""
+
+_TAKES_JOBS = frozenset({BackendState.READY, BackendState.UNLOADED})
+"""Unloaded after idling: the runner's gate loads it again and the job waits."""
+
+
+class PullState(enum.StrEnum):
+    STARTING = "starting"
+    CLAIMING = "claiming"
+    FULL = "full"
+    PAUSED = "paused"
+    REDIS_DOWN = "redis-down"
+
+
+_ALLOWED = {
+    PullState.STARTING: {PullState.CLAIMING, PullState.FULL, PullState.PAUSED},
+    PullState.CLAIMING: {PullState.FULL, PullState.PAUSED, PullState.REDIS_DOWN},
+    PullState.FULL: {PullState.CLAIMING, PullState.PAUSED},
+    PullState.PAUSED: {PullState.CLAIMING, PullState.FULL},
+    PullState.REDIS_DOWN: {PullState.CLAIMING, PullState.FULL, PullState.PAUSED},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimPlan:
+    """What the claim loop does next: claim ``count`` jobs of ``keys``, or wait (``state``)."""
+
+    state: PullState
+    keys: tuple[tuple[ModelName, Endpoint], ...] = ()
+    count: int = 0
+    why: str = ""
+
+
+def plan_claim(
+    models: Iterable[ModelInfo], backend: BackendState, slots: int, busy: int
+) -> ClaimPlan:
+    """Claim for every (model, endpoint) served, as many jobs as slots are free."""
+    keys = tuple(sorted({(m.name, e) for m in models for e in m.endpoints}))
+    if backend not in _TAKES_JOBS:
+        return ClaimPlan(PullState.PAUSED, why=f"(backend {backend})")
+    if not keys:
+        return ClaimPlan(PullState.PAUSED, why="(no model yet)")
+    if busy >= slots:
+        return ClaimPlan(PullState.FULL, why=f"({busy}/{slots} slots busy)")
+    return ClaimPlan(PullState.CLAIMING, keys, slots - busy, f"({slots - busy} free slot(s))")
+
+
+def consumer_name(worker_id: str) -> str:
+    """The worker's name in the queue's consumer group (key-safe)."""
+    return "worker-" + re.sub(r"[^A-Za-z0-9_.\-]", "-", worker_id)[:120]
+
+
+def redis_address(url: str) -> str:
+    """Where ``url`` points, for logs: host:port (never the password in it)."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return f"unix:{parts.path}"
+    return f"{parts.hostname}:{parts.port or 6379}"
+
+
+def redis_client(url: str) -> aioredis.Redis:
+    return aioredis.Redis.from_url(
+        url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=CONNECT_TIMEOUT_S
+    )
+
+
+@dataclass(eq=False, slots=True)
+class Held:
+    """A claimed job running in this worker's runner."""
+
+    claimed: Claimed
+    started: bool = False  # output was published: it can no longer run again
+
+
+@dataclass(frozen=True, slots=True)
+class GiveBack:
+    """Put a job that published nothing back in its queue."""
+
+    claimed: Claimed
+    reason: str
+
+
+Outgoing = tuple[Claimed, events.OutputEvent] | GiveBack
+
+
+class RedisPuller:
+    """Claims jobs for this worker's slots from Redis and publishes their output there."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        prefix: str,
+        register: Callable[[], Register],
+        *,
+        lease_ms: int = LEASE_MS,
+        memory: MemoryProbe | None = None,
+        max_requeues: int = MAX_REQUEUES,
+        backoff: Backoff | None = None,
+    ) -> None:
+        """``register`` describes the worker (id, models, slots...) as it would to a router."""
+        first = register()
+        self.worker_id = first.worker_id
+        self.slots = first.slots
+        self.register = register
+        self.queue = RedisJobQueue(redis, prefix, consumer_name(first.worker_id), lease_ms=lease_ms)
+        self.runner = JobRunner(self)
+        self.presence = Presence(
+            redis, prefix, first.worker_id, self.describe, outage=self.queue.outage
+        )
+        self.memory = memory or MemoryProbe(None)
+        self.max_requeues = max_requeues
+        self.backoff = backoff or Backoff(cap=RETRY_MAX_DELAY_S * 5)
+        self.state = PullState.STARTING
+        self.models: tuple[ModelInfo, ...] = first.models
+        self.backend_state = first.state
+        self.detail = ""
+        self.connected_at = time.time()
+        self._held: dict[JobId, Held] = {}
+        self._wake = asyncio.Event()  # a slot freed, the backend or the models changed
+        self._outbox: list[Outgoing] = []
+        self._flush = asyncio.Event()
+
+    @property
+    def running(self) -> int:
+        """Jobs held (claimed and not ended here): what counts against the slots."""
+        return len(self._held)
+
+    def _move(self, state: PullState, why: str) -> None:
+        if state is self.state:
+            return
+        if state not in _ALLOWED[self.state]:
+            raise RuntimeError(f"pull worker {self.worker_id}: {self.state} -> {state}")
+        log.info("pull worker %s: %s -> %s %s", self.worker_id, self.state, state, why)
+        self.state = state
+
+    # ------------------------------------------------------------ the worker's callbacks
+
+    def on_models(self, models: tuple[ModelInfo, ...]) -> None:
+        self.models = models
+        self._wake.set()
+        self.presence.changed()
+
+    def on_backend_state(self, state: BackendState, detail: str) -> None:
+        self.backend_state, self.detail = state, detail
+        self._wake.set()
+        self.presence.changed()
+
+    async def describe(self) -> Summary:
+        """This worker's entry in the cluster's worker list."""
+        ram, gpus = await self.memory.free()
+        return summary(
+            self.register(),
+            detail=self.detail,
+            running_jobs=self.running,
+            ram_available_bytes=ram,
+            gpu_free_bytes=gpus,
+            connected_at=self.connected_at,
+        )
+
+    # ------------------------------------------------------------ running
+
+    async def run(self) -> None:
+        """Claim and serve jobs until cancelled; then hand back what is still held."""
+        log.info("pull worker %s: consumer %s", self.worker_id, self.queue.consumer)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self.presence.run())
+                tg.create_task(self._publisher())
+                tg.create_task(self._renewals())
+                tg.create_task(self._cancellations())
+                tg.create_task(self._sweeps())
+                # A task, so that a runner task created before ``run()`` opens first.
+                tg.create_task(self._claims())
+        finally:
+            await self._hand_back()
+
+    async def _claims(self) -> None:
+        attempt = 0
+        while True:
+            raise_if_cancelled()
+            plan = plan_claim(self.models, self.backend_state, self.slots, self.running)
+            self._move(plan.state, plan.why)
+            if plan.state is not PullState.CLAIMING:
+                await self._sleep_until_woken()
+                continue
+            try:
+                claimed = await self.queue.claim(plan.keys, plan.count)
+            except REDIS_DOWN as exc:
+                self.queue.outage.failed("claim", exc)
+                delay = self.backoff.delay(attempt)
+                attempt += 1
+                self._move(PullState.REDIS_DOWN, f"({exc}); claiming again in {delay:.1f} s")
+                await asyncio.sleep(delay)
+                continue
+            attempt = 0
+            if not all([self._start(c) for c in claimed]):
+                self._move(PullState.PAUSED, "(the job runner is not running)")
+                await self._sleep_until_woken()
+
+    async def _sleep_until_woken(self) -> None:
+        """Until a job ends or the backend or models change."""
+        self._wake.clear()
+        await self._wake.wait()
+
+    def _start(self, claimed: Claimed) -> bool:
+        """Run the job; False (it goes back to its queue) if the runner is not running.
+
+        Start ``runner.run()`` before ``run()``: the first claim then finds the runner's task
+        group open (tasks start in the order they were created); it closes as the worker stops.
+        """
+        qjob = claimed.job
+        self._held[qjob.id] = Held(claimed)
+        start = JobStart(
+            job_id=qjob.id,
+            model=qjob.model,
+            endpoint=qjob.endpoint,
+            stream=qjob.stream,
+            body=dict(qjob.body),
+        )
+        try:
+            self.runner.start(start)
+        except RuntimeError:  # the runner is not running (the worker is stopping)
+            self._release(qjob.id)
+            self._send(GiveBack(claimed, f"worker {self.worker_id} cannot run jobs now"))
+            return False
+        log.info(
+            "job %s model=%s (attempt %d) runs on pull worker %s (%d/%d slots)",
+            qjob.id,
+            qjob.model,
+            claimed.attempt,
+            self.worker_id,
+            self.running,
+            self.slots,
+        )
+        return True
+
+    def _release(self, job_id: JobId) -> Held | None:
+        held = self._held.pop(job_id, None)
+        if held is not None:
+            self._wake.set()
+        return held
+
+    # ------------------------------------------------------------ the runner's sink
+
+    def chunk(self, job_id: JobId, data: str) -> None:
+        held = self._held.get(job_id)
+        if held is None:
+            return  # stopped (cancelled, taken over) while the chunk was on its way
+        held.started = True
+        self._send((held.claimed, events.Data(data)))
+
+    def send(self, message: JobOutcome, /) -> None:
+        held = self._release(message.job_id)
+        if held is None:
+            return
+        match message:
+            case JobDone():
+                self._send((held.claimed, events.Done()))
+            case JobResult(body=body):
+                self._send((held.claimed, events.Result(body)))
+            case JobFailed(retryable=True, error=error) if self._may_run_again(held):
+                self._send(GiveBack(held.claimed, f"worker {self.worker_id}: {error.message}"))
+            case JobFailed(status=status, error=error):
+                self._send((held.claimed, events.Failed(status, error)))
+
+    def _may_run_again(self, held: Held) -> bool:
+        return not held.started and held.claimed.attempt <= self.max_requeues
+
+    def _send(self, item: Outgoing) -> None:
+        self._outbox.append(item)
+        self._flush.set()
+
+    # ------------------------------------------------------------ Redis side
+
+    async def _publisher(self) -> None:
+        """Publish the outbox, one round trip per batch."""
+        while True:
+            await self._flush.wait()
+            self._flush.clear()
+            batch, self._outbox = self._outbox, []
+            try:
+                await self._publish(batch)
+            except REDIS_DOWN as exc:
+                # The events may or may not be written; their jobs stop here and the sweep
+                # recovers them after the lease.
+                log.error("could not publish %d events: %s", len(batch), exc)
+                for item in batch:
+                    claimed = item.claimed if isinstance(item, GiveBack) else item[0]
+                    self._stop(claimed.job.id)
+            raise_if_cancelled()
+
+    async def _publish(self, batch: list[Outgoing]) -> None:
+        outputs = [item for item in batch if not isinstance(item, GiveBack)]
+        leases = await self.queue.publish_many(outputs)
+        for job_id, lease in leases.items():
+            if lease is not Lease.HELD:
+                await self._lost_lease(job_id, lease)
+        for item in batch:
+            if isinstance(item, GiveBack) and not await self.queue.requeue(
+                item.claimed, item.reason
+            ):
+                await self.queue.publish(item.claimed, LOST_AFTER_START)
+
+    async def _lost_lease(self, job_id: JobId, lease: Lease) -> None:
+        held = self._stop(job_id)
+        if held is not None and lease is Lease.CANCELLED:
+            await self.queue.ack(held.claimed)
+
+    def _stop(self, job_id: JobId) -> Held | None:
+        """Stop a job here (cancelled, taken over): cancel it in the runner, free its slot."""
+        held = self._release(job_id)
+        if held is not None:
+            self.runner.cancel(job_id)
+            log.info("job %s stopped on pull worker %s", job_id, self.worker_id)
+        return held
+
+    async def _renewals(self) -> None:
+        while True:
+            await asyncio.sleep(self.queue.renew_interval_s)
+            try:
+                leases = await self.queue.renew([h.claimed for h in self._held.values()])
+            except REDIS_DOWN as exc:
+                self.queue.outage.failed("renew", exc)
+                continue
+            raise_if_cancelled()
+            for job_id, lease in leases.items():
+                if lease is not Lease.HELD:
+                    await self._lost_lease(job_id, lease)
+
+    async def _cancellations(self) -> None:
+        while True:
+            try:
+                async for job_id in self.queue.cancellations():
+                    held = self._stop(job_id)
+                    if held is not None:
+                        await self.queue.ack(held.claimed)
+            except REDIS_DOWN as exc:
+                self.queue.outage.failed("cancellations", exc)
+                await asyncio.sleep(RETRY_MAX_DELAY_S)
+
+    async def _sweeps(self) -> None:
+        """Recover jobs whose holder died: unstarted ones run again, started ones fail."""
+        while True:
+            await asyncio.sleep(self.queue.lease_ms / 1000 * SWEEP_EVERY_LEASES)
+            try:
+                swept = await self.queue.sweep()
+            except REDIS_DOWN as exc:
+                self.queue.outage.failed("sweep", exc)
+                continue
+            raise_if_cancelled()
+            if swept.failed or swept.requeued:
+                log.warning(
+                    "sweep: %d job(s) of dead holders put back, %d failed",
+                    swept.requeued,
+                    swept.failed,
+                )
+
+    async def _hand_back(self) -> None:
+        """Stopping: publish what is pending and give back the jobs still held, so they run
+        again elsewhere now rather than after the lease (one that had answered in part fails).
+        Runs while the cancellation is handled: no ``raise_if_cancelled`` here."""
+        for job_id in list(self._held):
+            held = self._stop(job_id)
+            if held is not None:
+                self._outbox.append(GiveBack(held.claimed, f"worker {self.worker_id} stopped"))
+        batch, self._outbox = self._outbox, []
+        if not batch:
+            return
+        with contextlib.suppress(*REDIS_DOWN, TimeoutError):
+            async with asyncio.timeout(STOP_TIMEOUT_S):
+                await self._publish(batch)
+                log.info("pull worker %s: handed back %d event(s)", self.worker_id, len(batch))

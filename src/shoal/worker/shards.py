@@ -1,0 +1,333 @@
+"""This worker's parts in models split by layers: stages and heads, each a supervised process.
+
+A **stage** runs ``ggml-rpc-server`` on 127.0.0.1 (it has no authentication); the head
+reaches it through the router's tunnel (``TunnelDial`` asks this worker to connect one more
+head connection to it), or, in direct mode on a trusted network, straight at ``--rpc-host``.
+
+A **head** loads the whole GGUF in ``llama-server --rpc <stages> -ngl N --tensor-split ...``
+with an explicit context and no automatic fit, so the layers land where the plan says; it
+reads the placement back from the load log (``llama_cpp.load_log``), refuses a placement
+that left out a stage, and then serves the split model like the worker's own: jobs for it
+go to this llama-server (``JobRunner.route``). A head is never restarted on its own: when a
+stage dies llama-server aborts, the shard reports ``failed`` and the router redeploys.
+
+Every state change goes to the router as a ``ShardStatus``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from shoal.llama_cpp.load_log import placement
+from shoal.protocol.messages import (
+    BackendState,
+    DevicePlacement,
+    Endpoint,
+    Message,
+    ModelInfo,
+    ShardRole,
+    ShardStart,
+    ShardState,
+    ShardStatus,
+    TunnelDial,
+)
+from shoal.worker.backend import Backend, BackendTarget
+from shoal.worker.llama_server import LlamaServer, LlamaServerConfig, free_port, stop_process
+from shoal.worker.runner import JobRunner
+from shoal.worker.tunnels import TunnelEnds
+
+log = logging.getLogger(__name__)
+
+RPC_READY_TIMEOUT_S = 30.0
+"""ggml-rpc-server prints nothing flushed at start: readiness is its port accepting."""
+LOCALHOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class ShardTools:
+    """What shards need from the worker, decided once at start."""
+
+    llama_server: Path
+    rpc_server: Path | None
+    build: str
+    logs: Path
+    threads: int | None
+    rpc_host: str | None
+    """Direct mode: the address stages listen on (None: this worker refuses direct mode)."""
+    resolve: Callable[[str], Path]
+    """A model source (catalog id, model-store id, path) -> the GGUF on this machine. Blocking."""
+
+
+@dataclass(eq=False)
+class _Shard:
+    spec: ShardStart
+    task: asyncio.Task[None] | None = None
+    rpc_port: int | None = None
+    placement: tuple[DevicePlacement, ...] = ()
+    state: ShardState = ShardState.STARTING
+    changed_at: float = field(default_factory=time.monotonic)
+
+
+class ShardHost:
+    """Runs the shards the router starts here, until cancelled (then stops them all)."""
+
+    def __init__(
+        self,
+        tools: ShardTools,
+        send: Callable[[Message], None],
+        runner: JobRunner,
+        session: aiohttp.ClientSession,
+        tunnels: TunnelEnds,
+        on_models: Callable[[], None],
+    ) -> None:
+        self.tools = tools
+        self._send = send
+        self._runner = runner
+        self._session = session
+        self._tunnels = tunnels
+        self._on_models = on_models
+        self._shards: dict[str, _Shard] = {}
+        self._group: asyncio.TaskGroup | None = None
+
+    @property
+    def models(self) -> tuple[ModelInfo, ...]:
+        """The split models this worker heads and serves now."""
+        return tuple(
+            ModelInfo(
+                name=s.spec.model,
+                endpoints=(Endpoint.CHAT, Endpoint.COMPLETIONS),
+                context_length=s.spec.ctx_size // s.spec.slots,
+                backend=f"llama-server --rpc ({s.spec.deployment})",
+            )
+            for s in self._shards.values()
+            if s.spec.role is ShardRole.HEAD and s.state is ShardState.READY
+        )
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            self._group = tg
+            try:
+                await asyncio.Event().wait()
+            finally:
+                self._group = None
+                for shard in self._shards.values():
+                    if shard.task is not None:
+                        shard.task.cancel()
+
+    # ------------------------------------------------------------ router's orders
+
+    def start(self, spec: ShardStart) -> None:
+        if self._group is None:
+            raise RuntimeError("shard host is not running")
+        old = self._shards.get(spec.deployment)
+        if old is not None and old.spec == spec and old.state is not ShardState.FAILED:
+            self._send(self._status(old, "already running"))
+            return
+        self.stop(spec.deployment)
+        shard = _Shard(spec)
+        self._shards[spec.deployment] = shard
+        self._send(self._status(shard, "starting"))  # says which build this worker runs
+        run = self._stage if spec.role is ShardRole.STAGE else self._head
+        shard.task = self._group.create_task(self._guard(shard, run(shard)))
+
+    def stop(self, deployment: str) -> None:
+        shard = self._shards.pop(deployment, None)
+        if shard is None:
+            return
+        log.info("deployment %s: stopping the %s shard", deployment, shard.spec.role.value)
+        if shard.task is not None:
+            shard.task.cancel()
+        if shard.spec.role is ShardRole.STAGE:
+            self._tunnels.close_stage(deployment)
+        if shard.spec.role is ShardRole.HEAD:
+            self._runner.unroute(shard.spec.model)
+            self._on_models()
+
+    def dial(self, msg: TunnelDial) -> None:
+        """The head opened one more connection to this stage through the router: join it."""
+        shard = self._shards.get(msg.deployment)
+        if self._group is None or shard is None or shard.rpc_port is None:
+            log.warning("deployment %s: tunnel dial for a stage not running here", msg.deployment)
+            return
+        self._group.create_task(self._tunnels.connect_stage(msg, LOCALHOST, shard.rpc_port))
+
+    # ------------------------------------------------------------ shards
+
+    async def _guard(self, shard: _Shard, work: Awaitable[None]) -> None:
+        """Run a shard; whatever ends it is reported (cancellation: stopped)."""
+        try:
+            await work
+            self._move(shard, ShardState.FAILED, "its process exited")
+        except asyncio.CancelledError:
+            self._move(shard, ShardState.STOPPED, "stopped")
+            raise
+        except Exception as exc:  # one shard's failure must not take the worker down
+            log.exception("deployment %s: shard failed", shard.spec.deployment)
+            self._move(shard, ShardState.FAILED, str(exc) or type(exc).__name__)
+        finally:
+            if (
+                shard.spec.role is ShardRole.HEAD
+                and self._shards.get(shard.spec.deployment) is shard
+            ):
+                self._runner.unroute(shard.spec.model)
+                self._on_models()
+
+    async def _stage(self, shard: _Shard) -> None:
+        spec = shard.spec
+        if self.tools.rpc_server is None:
+            raise RuntimeError(
+                "this worker has no ggml-rpc-server beside its llama-server; install llama.cpp "
+                "with RPC (`shoal llama-cpp install`)"
+            )
+        host = LOCALHOST
+        if spec.direct:
+            if self.tools.rpc_host is None:
+                raise RuntimeError(
+                    "direct mode needs --rpc-host on this worker (the LAN address to listen "
+                    "on; trusted networks only)"
+                )
+            host = self.tools.rpc_host
+        port = free_port(host)
+        argv = [str(self.tools.rpc_server), "-H", host, "-p", str(port)]
+        argv += ["-t", str(self.tools.threads or 1)]
+        log_file = self.tools.logs / f"ggml-rpc-server-{_safe(spec.deployment)}.log"
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        log.info("deployment %s: starting %s", spec.deployment, " ".join(argv))
+        with log_file.open("ab") as logf:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf
+            )
+            try:
+                await _wait_listening(host, port, proc)
+                shard.rpc_port = port
+                address = f"{host}:{port}" if spec.direct else None
+                self._move(shard, ShardState.READY, f"ggml-rpc-server on {host}:{port}", address)
+                code = await proc.wait()
+                raise RuntimeError(f"ggml-rpc-server exited with code {code}; log: {log_file}")
+            finally:
+                await stop_process(proc)
+
+    async def _head(self, shard: _Shard) -> None:
+        spec = shard.spec
+        path = await asyncio.to_thread(self.tools.resolve, spec.source)
+        async with AsyncExitStack() as stack:
+            rpc: list[str] = []
+            for peer in spec.peers:
+                if peer.direct is not None:
+                    rpc.append(peer.direct)
+                else:
+                    port = await stack.enter_async_context(self._tunnels.head_end(peer))
+                    rpc.append(f"{LOCALHOST}:{port}")
+            log_file = self.tools.logs / f"llama-server-head-{_safe(spec.deployment)}.log"
+            config = LlamaServerConfig(
+                binary=self.tools.llama_server,
+                model_path=path,
+                alias=spec.model,
+                slots=spec.slots,
+                ctx_size=spec.ctx_size // spec.slots,
+                log_file=log_file,
+                threads=self.tools.threads,
+                max_restarts=0,  # a stage died: the whole split is redeployed, not the head
+                device_args=_rpc_args(rpc, spec),
+            )
+            log_file.parent.mkdir(parents=True, exist_ok=True)
+            offset = log_file.stat().st_size if log_file.exists() else 0
+            loaded = asyncio.Event()
+
+            def on_state(state: BackendState, detail: str) -> None:
+                if state is BackendState.READY:
+                    loaded.set()
+                elif state is BackendState.FAILED:
+                    self._move(shard, ShardState.FAILED, detail)
+
+            server = LlamaServer(config, on_state)
+            async with asyncio.TaskGroup() as tg:
+                running = tg.create_task(server.run())
+                await loaded.wait()
+                with log_file.open(errors="replace") as f:
+                    f.seek(offset)
+                    devices = placement(f, rpc)  # raises if a stage was left out
+                shard.placement = tuple(
+                    DevicePlacement(device=d.device, model_bytes=d.model_bytes, kv_bytes=d.kv_bytes)
+                    for d in devices
+                )
+                target = BackendTarget(spec.model, stream_upstream=True)
+                self._runner.route(
+                    spec.model, Backend(target, self._session, lambda: server.url), server.use
+                )
+                self._move(shard, ShardState.READY, f"serving {spec.model} on {server.url}")
+                self._on_models()
+                await running
+
+    def _move(
+        self, shard: _Shard, state: ShardState, detail: str, address: str | None = None
+    ) -> None:
+        if shard.state is state and state is not ShardState.READY:
+            return
+        was_serving = shard.state is ShardState.READY
+        shard.state, shard.changed_at = state, time.monotonic()
+        log.info(
+            "deployment %s: %s shard %s (%s)",
+            shard.spec.deployment,
+            shard.spec.role.value,
+            state.value,
+            detail,
+        )
+        if shard.spec.role is ShardRole.HEAD and was_serving and state is not ShardState.READY:
+            self._runner.unroute(shard.spec.model)  # no more jobs for a head that failed
+            self._on_models()
+        self._send(self._status(shard, detail, address))
+
+    def _status(self, shard: _Shard, detail: str, address: str | None = None) -> ShardStatus:
+        if address is None and shard.spec.direct and shard.rpc_port is not None:
+            address = f"{self.tools.rpc_host}:{shard.rpc_port}"
+        return ShardStatus(
+            deployment=shard.spec.deployment,
+            role=shard.spec.role,
+            state=shard.state,
+            detail=detail,
+            build=self.tools.build,
+            rpc_address=address,
+            placement=shard.placement,
+        )
+
+
+def _rpc_args(rpc: list[str], spec: ShardStart) -> tuple[str, ...]:
+    split = ",".join(f"{x:g}" for x in spec.tensor_split)
+    args = ["--rpc", ",".join(rpc), "--n-gpu-layers", str(spec.n_gpu_layers)]
+    if split:
+        args += ["--tensor-split", split]
+    # No automatic fit: the plan decides; -lv 4 makes the load log say where layers went.
+    return (*args, "--fit", "off", "--cache-ram", "0", "-lv", "4")
+
+
+async def _wait_listening(host: str, port: int, proc: asyncio.subprocess.Process) -> None:
+    deadline = time.monotonic() + RPC_READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.returncode is not None:
+            raise RuntimeError(f"ggml-rpc-server exited with code {proc.returncode} at start")
+        with contextlib.suppress(OSError):
+            # A bare connect: ggml-rpc-server serves one client at a time, and drops this one
+            # at once when it sends nothing.
+            _, writer = await asyncio.open_connection(host, port)
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+            return
+        await asyncio.sleep(0.05)
+    raise RuntimeError(
+        f"ggml-rpc-server did not listen on {host}:{port} within {RPC_READY_TIMEOUT_S:g} s"
+    )
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)

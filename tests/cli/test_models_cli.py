@@ -1,0 +1,101 @@
+"""``shoal models``: the catalog commands and the local cache, run as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from shoal.cli.main import main
+from shoal.models.catalog import load_catalog
+from shoal.models.default import DEFAULT_MODEL
+from shoal.models.pypi import model_path
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def cache(tmp_path: Path, model_path: Path) -> Path:
+    """A cache holding the default model (hard-linked from the session's real cache)."""
+    cache = tmp_path / "cache"
+    target = model_path_in(cache)
+    target.parent.mkdir(parents=True)
+    os.link(model_path, target)
+    return cache
+
+
+def model_path_in(cache: Path) -> Path:
+    return model_path(DEFAULT_MODEL, cache)
+
+
+def test_list_shows_the_whole_catalog(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "models", "list")
+    assert code == 0
+    ids = [line.split()[0] for line in out.splitlines()[1:]]
+    assert ids == [e.id for e in load_catalog().entries] and len(ids) >= 100
+
+
+def test_list_fits_keeps_only_what_fits_this_machine(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "models", "list", "--fits", "--json")
+    assert code == 0
+    fitting = json.loads(out[out.index("\n") + 1 :])
+    ids = {e["id"] for e in fitting}
+    assert DEFAULT_MODEL.id in ids, "the default model fits any machine that runs the tests"
+    assert "llama-3.1-70b-instruct" not in ids, "a 70B model does not fit a test machine's RAM"
+    assert all(e["fits"]["needs_bytes"] > 0 for e in fitting)
+    # A 1 KiB budget would fit nothing: an absurd context makes everything too big.
+    code, out, _ = run(capsys, "models", "list", "--fits", "--ctx-size", "10000000")
+    assert code == 0 and len(out.strip().splitlines()) == 2, out  # the note and the header
+
+
+def test_list_filters_by_family_and_kind(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "models", "list", "--kind", "embedding", "--json")
+    entries = json.loads(out)
+    assert entries and all(e["kind"] == "embedding" for e in entries)
+    code, out, _ = run(capsys, "models", "list", "--family", "qwen", "--json")
+    assert {e["family"] for e in json.loads(out)} == {"qwen"}
+
+
+def test_show_explains_the_quantization_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "models", "show", "qwen2.5-7b-instruct", "--json")
+    assert code == 0
+    shown = json.loads(out)
+    assert shown["repo"] and shown["fit"]["quantization"] in {
+        q["quantization"] for q in shown["quantizations"]
+    }
+    assert "needs" in shown["fit"]["reason"] and "GiB" in shown["fit"]["reason"]
+    code, out, _ = run(capsys, "models", "show", "llama-3.1-70b-instruct", "--ctx-size", "131072")
+    assert code == 0 and "short" in out and "Options" in out
+
+
+def test_show_unknown_model_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "models", "show", "qwen9-1b")
+    assert code == 2 and "unknown model 'qwen9-1b'" in err and "Similar: " in err
+
+
+def test_search_offline_searches_only_the_catalog(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "models", "search", "deepseek", "qwen", "--offline", "--json")
+    found = json.loads(out)
+    assert code == 0 and found["hub"] == [] and "offline" in found["note"]
+    assert found["catalog"] and all("deepseek" in i and "qwen" in i for i in found["catalog"])
+
+
+def test_ls_and_rm_manage_the_cache(capsys: pytest.CaptureFixture[str], cache: Path) -> None:
+    code, out, _ = run(capsys, "models", "ls", "--cache-dir", str(cache), "--json")
+    [listed] = json.loads(out)
+    assert listed["id"] == DEFAULT_MODEL.id and listed["size_bytes"] == DEFAULT_MODEL.size
+    assert listed["source"] == f"pypi:{DEFAULT_MODEL.pypi_requirement}"
+
+    code, _, err = run(capsys, "models", "rm", "qwen2.5-7b-instruct", "--cache-dir", str(cache))
+    assert code == 2 and "not in the cache" in err and DEFAULT_MODEL.id in err
+
+    code, out, _ = run(capsys, "models", "rm", DEFAULT_MODEL.id, "--cache-dir", str(cache))
+    assert code == 0 and "freed" in out and not model_path_in(cache).exists()
+    code, out, _ = run(capsys, "models", "ls", "--cache-dir", str(cache))
+    assert "No models" in out

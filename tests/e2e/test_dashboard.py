@@ -1,0 +1,331 @@
+"""The router's dashboard in a real headless Chromium (Debian's) against a real cluster.
+
+A real router and a real worker running llama-server with the default model; Playwright
+drives the page the router serves at ``/``; nothing is intercepted. The layer map shows a
+real deployment of the default model split over the test worker and a second one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from playwright.sync_api import (
+    Browser,
+    ConsoleMessage,
+    ElementHandle,
+    Page,
+    ViewportSize,
+    sync_playwright,
+)
+
+from cluster import API_KEY, MODEL, Cluster, Proc, Router, wait_until
+
+pytestmark = pytest.mark.e2e
+
+CHROMIUM = Path("/usr/bin/chromium")
+SCREENSHOT = Path(__file__).parents[1] / "artifacts" / "dashboard.png"
+VIEWPORT: ViewportSize = {"width": 1280, "height": 800}
+WORKER_NAME = "dash-w1"
+OPTIONAL_ENDPOINTS = ("/metrics", "/api/v1/pipeline/status")
+PIPELINE_STATUS = "/api/v1/pipeline/status"
+PIPELINE_DEPLOY = "/api/v1/pipeline/deploy"
+PIPELINE_UNDEPLOY = "/api/v1/pipeline/undeploy"
+REPLY_TIMEOUT_MS = 120_000
+
+# Records what the user would see of the newest assistant message, once per painted frame.
+FRAME_SAMPLER = """() => {
+  window.__frames = [];
+  const tick = () => {
+    const all = document.querySelectorAll("#transcript .msg.assistant");
+    const msg = all[all.length - 1];
+    if (msg) {
+      const text = msg.querySelector(".body").textContent;
+      const last = window.__frames[window.__frames.length - 1];
+      if (!last || last.text !== text || last.state !== msg.dataset.state) {
+        window.__frames.push({text, state: msg.dataset.state});
+      }
+    }
+    requestAnimationFrame(tick);
+  };
+  requestAnimationFrame(tick);
+}"""
+
+
+@dataclass
+class Live:
+    router: Router
+    browser: Browser
+
+    def worker(self) -> dict[str, Any]:
+        [worker] = [w for w in self.router.workers() if w["name"] == WORKER_NAME]
+        return dict(worker)
+
+
+@dataclass
+class Watched:
+    """A page plus every JavaScript error and failed request its console reported."""
+
+    page: Page
+    base: str
+    problems: list[str] = field(default_factory=list)
+    allowed: set[tuple[str, int]] = field(default_factory=set)
+
+    def on_console(self, msg: ConsoleMessage) -> None:
+        if msg.type != "error":
+            return
+        path = urlsplit(msg.location.get("url", "")).path
+        status = next((s for p, s in self.allowed if p == path and f" {s} " in msg.text), None)
+        if status is None:
+            self.problems.append(f"console error: {msg.text} ({msg.location})")
+
+    def sign_in(self, key: str = API_KEY) -> None:
+        self.page.goto(self.base + "/")
+        self.page.fill("#key", key)
+        self.page.click("#login-button")
+
+
+@pytest.fixture(scope="module")
+def live(session_cluster: Cluster) -> Iterator[Live]:
+    if not CHROMIUM.exists():
+        pytest.fail(
+            f"{CHROMIUM} is missing; install Debian's browser with "
+            "apt-get install -y --no-install-recommends chromium"
+        )
+    router = session_cluster.router("--admin-key", API_KEY)  # the dashboard signs in with it
+    worker = session_cluster.worker(router, "--slots", "2", "--ctx-size", "2048", name=WORKER_NAME)
+    try:
+        router.wait_workers(1)
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(
+                executable_path=str(CHROMIUM), headless=True, args=["--no-sandbox"]
+            )
+            try:
+                yield Live(router, browser)
+            finally:
+                browser.close()
+    finally:
+        _stop(worker, router.proc)
+
+
+def _stop(*procs: Proc) -> None:
+    for proc in procs:
+        proc.stop()
+
+
+@pytest.fixture
+def watched(live: Live) -> Iterator[Watched]:
+    """A fresh browser context; the test fails if the page logs an unexpected error."""
+    context = live.browser.new_context(viewport=VIEWPORT)
+    page = context.new_page()
+    watched = Watched(page, live.router.url)
+    # Endpoints this router may not have yet answer 404; Chromium logs those as errors.
+    watched.allowed.update((p, 404) for p in OPTIONAL_ENDPOINTS)
+    page.on("console", watched.on_console)
+    page.on("pageerror", lambda exc: watched.problems.append(f"page error: {exc}"))
+    try:
+        yield watched
+    finally:
+        context.close()
+    assert not watched.problems, "\n".join(watched.problems)
+
+
+def _text(handle: ElementHandle | None, selector: str) -> str:
+    assert handle is not None
+    inner = handle.query_selector(selector)
+    assert inner is not None, f"no {selector} in {handle.inner_html()}"
+    return inner.text_content() or ""
+
+
+def _get(live: Live, path: str, key: str | None = API_KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.get(live.router.url + path, headers=headers, timeout=10)
+
+
+def test_page_and_assets_load_without_a_key_and_only_from_the_router(
+    live: Live, watched: Watched
+) -> None:
+    page = _get(live, "/", key=None)
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    assert page.headers["cache-control"] == "no-cache"
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    script = _get(live, "/dashboard/app.js", key=None)
+    assert script.status_code == 200
+    assert "javascript" in script.headers["content-type"]
+    assert (
+        _get(live, "/dashboard/style.css", key=None).headers["content-type"].startswith("text/css")
+    )
+    assert _get(live, "/dashboard/nothing-here.js", key=None).status_code == 404
+
+    requested: list[str] = []
+    watched.page.on("request", lambda request: requested.append(request.url))
+    watched.page.goto(live.router.url + "/")
+    assert watched.page.title() == "Shoal dashboard"
+    watched.page.wait_for_selector("#login-form", state="visible")
+    assert watched.page.is_hidden("#app")
+    foreign = [u for u in requested if not u.startswith(live.router.url + "/")]
+    assert requested and not foreign, f"requests outside the router: {foreign}"
+
+
+def test_a_wrong_key_shows_the_routers_401_message(live: Live, watched: Watched) -> None:
+    answer = _get(live, "/api/v1/workers", key="sk-wrong")
+    assert answer.status_code == 401
+    message = answer.json()["error"]["message"]
+    watched.allowed.add(("/api/v1/workers", 401))
+
+    watched.sign_in("sk-wrong")
+
+    watched.page.wait_for_selector("#login-error", state="visible")
+    assert watched.page.text_content("#login-error") == message
+    assert watched.page.is_hidden("#app")
+    assert watched.page.evaluate("sessionStorage.length") == 0
+
+
+def test_signing_in_shows_the_live_worker_and_model(live: Live, watched: Watched) -> None:
+    worker = live.worker()
+    watched.sign_in()
+
+    card = watched.page.wait_for_selector(f'.worker[data-worker-id="{worker["id"]}"]')
+    assert _text(card, "h3") == WORKER_NAME
+    assert _text(card, ".pill") == "ready"
+    facts = _text(card, ".worker-body")
+    assert worker["hardware"]["hostname"] in facts
+    assert MODEL in facts
+    assert "RAM" in facts and "free" in facts
+
+    row = watched.page.wait_for_selector(f'#models tr[data-model="{MODEL}"]')
+    assert row is not None
+    cells = [c.text_content() for c in row.query_selector_all("td")]
+    assert cells[1:3] == ["ready", "1 / 1"]
+    queue = watched.page.text_content(f'#queue .queue-row[data-model="{MODEL}"]') or ""
+    assert "0 queued" in queue
+    assert watched.page.input_value("#model") == MODEL
+    assert watched.page.evaluate("sessionStorage.getItem('shoal.adminKey')") == API_KEY
+    _check_optional_panels(live, watched.page)
+
+
+def _check_optional_panels(live: Live, page: Page) -> None:
+    """Deployments and chart show what the router really has."""
+    if not _get(live, PIPELINE_STATUS).json()["data"]:
+        page.wait_for_selector("#deployments >> text=No deployments")
+    if _get(live, "/metrics").status_code == 404:
+        page.wait_for_selector("#chart-note >> text=Metrics unavailable")
+    else:  # two polls give the first rate: the legend shows numbers
+        page.wait_for_function("() => document.querySelector('#now-tokens').textContent !== '–'")
+
+
+def test_playground_streams_a_reply_from_the_real_model(live: Live, watched: Watched) -> None:
+    page = watched.page
+    watched.sign_in()
+    page.wait_for_selector(f'.worker >> text="{WORKER_NAME}"')
+    page.wait_for_function(f"() => document.querySelector('#model').value === '{MODEL}'")
+    page.fill("#max-tokens", "24")
+    page.fill("#prompt", "Name three colours of the sea, one per line.")
+    page.evaluate(FRAME_SAMPLER)
+
+    with page.expect_request("**/v1/chat/completions") as sent:
+        page.click("#send")
+    body = json.loads(sent.value.post_data or "{}")
+    assert body["stream"] is True and body["max_tokens"] == 24 and body["model"] == MODEL
+
+    page.wait_for_selector(
+        '#transcript .msg.assistant:not([data-state="streaming"])', timeout=REPLY_TIMEOUT_MS
+    )
+    frames: list[dict[str, str]] = page.evaluate("window.__frames")
+    final = page.text_content("#transcript .msg.assistant .body") or ""
+    assert page.get_attribute("#transcript .msg.assistant", "data-state") == "done", final
+    streaming = [f["text"] for f in frames if f["state"] == "streaming" and f["text"]]
+    assert len(set(streaming)) >= 2, f"the reply did not grow frame by frame: {frames}"
+    assert all(final.startswith(text) for text in streaming), frames
+    assert final.strip()
+    assert "tokens" in (page.text_content("#chat-stats") or "")
+    assert page.is_enabled("#send") and page.is_disabled("#stop")
+
+    time.sleep(2.5)  # one more poll: the chart and panels show the request that just ran
+    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOT), full_page=True)
+
+
+def _busy_slots(backend_url: str) -> int:
+    slots = httpx.get(backend_url + "/slots", timeout=2).json()
+    return sum(1 for s in slots if s["is_processing"])
+
+
+def test_stop_aborts_the_stream_and_the_generation(live: Live, watched: Watched) -> None:
+    page = watched.page
+    backend = live.worker()["backend_url"]
+    watched.sign_in()
+    page.wait_for_function(f"() => document.querySelector('#model').value === '{MODEL}'")
+    page.fill("#max-tokens", "1500")
+    page.fill("#prompt", "Write a very long story about the sea, with many chapters.")
+    page.click("#send")
+    page.wait_for_function(
+        "() => document.querySelector('#transcript .msg.assistant .body').textContent.length > 0",
+        timeout=REPLY_TIMEOUT_MS,
+    )
+    page.click("#stop")
+
+    page.wait_for_selector('#transcript .msg.assistant[data-state="stopped"]')
+    wait_until(lambda: _busy_slots(backend) == 0, 5, "llama-server to stop generating")
+    stopped_text = page.text_content("#transcript .msg.assistant .body")
+    time.sleep(0.5)
+    assert page.text_content("#transcript .msg.assistant .body") == stopped_text
+    assert page.is_enabled("#send")
+
+
+def test_layer_map_shows_a_real_deployment(
+    live: Live, watched: Watched, session_cluster: Cluster
+) -> None:
+    """The default model split over the test worker and a second one, deployed for real."""
+    router = live.router
+    second = session_cluster.worker(router, "--slots", "1", "--ctx-size", "1024", name="dash-w2")
+    try:
+        [w2] = wait_until(
+            lambda: [
+                w for w in router.workers() if w["name"] == "dash-w2" and w["state"] == "ready"
+            ],
+            60,
+            "the second worker",
+        )
+        w1 = live.worker()
+        body = {
+            "model": str(session_cluster.model_path),
+            "name": "dash-split",
+            "workers": [WORKER_NAME, "dash-w2"],
+            "ctx": 1024,
+        }
+        r = httpx.post(router.url + PIPELINE_DEPLOY, json=body, headers=router.headers)
+        assert r.status_code == 202, r.text
+        wait_until(
+            lambda: _get(live, PIPELINE_STATUS).json()["data"][0]["state"] == "serving",
+            120,
+            "the split model to serve",
+        )
+        watched.sign_in()
+        deployment = watched.page.wait_for_selector(
+            '.deployment[data-deployment="dash-split"] .layer-map'
+        )
+        assert deployment is not None
+        card = watched.page.query_selector('.deployment[data-deployment="dash-split"]')
+        assert card is not None
+        cells = card.query_selector_all(".layer-map .cell")
+        owners = [c.get_attribute("data-worker") for c in cells]
+        assert owners == [w1["id"]] * 15 + [w2["id"]] * 15
+        colours = [c.evaluate("e => getComputedStyle(e).backgroundColor") for c in cells]
+        assert len(set(colours[:15])) == 1 and len(set(colours[15:])) == 1
+        assert colours[0] != colours[-1]
+        legend = card.text_content() or ""
+        assert "layers 0–14" in legend and "layers 15–29" in legend and "serving" in legend
+    finally:
+        httpx.post(
+            router.url + PIPELINE_UNDEPLOY, json={"name": "dash-split"}, headers=router.headers
+        )
+        _stop(second)

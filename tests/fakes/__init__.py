@@ -1,0 +1,1 @@
+"""FAKE stand-ins for outside services that tests cannot reach (see each module's docstring)."""

@@ -1,0 +1,183 @@
+"""``shoal keys create|list|revoke`` and ``shoal usage`` end to end on real databases.
+
+The handlers run through an argparse tree built by ``shoal.cli.keys.add_commands``, exactly
+as ``shoal.cli.main`` builds it, with main's UserError handling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Iterator, Sequence
+
+import pytest
+from keydb import StoreFactory
+
+from shoal.cli.errors import UserError
+from shoal.cli.keys import add_commands
+from shoal.keys import Scope
+from shoal.keys.usage import usage_since as parse_since
+
+
+def shoal(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="shoal")
+    add_commands(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.handler(args)
+    except UserError as exc:
+        print(f"shoal: error: {exc}", file=sys.stderr)
+        return 2
+    return code
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    """The commands set up logging for the process (to stderr); undo that after each test."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_create_prints_the_secret_once_and_list_never(
+    db_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert shoal(["keys", "create", "--scope", "inference", "--name", "alice",
+                  "--rate", "60rpm,100000tpm", "--max-streams", "2",
+                  "--database-url", db_url]) == 0  # fmt: skip
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    secret = lines[-1]
+    assert secret.startswith("sk-shoal-") and len(secret) == len("sk-shoal-") + 43
+    assert out.count(secret) == 1 and secret not in err
+    assert "will not be shown again" in out
+    assert "60rpm,100000tpm,2 streams" in lines[0] and "'alice'" in lines[0]
+
+    assert shoal(["keys", "list", "--database-url", db_url]) == 0
+    out, err = capsys.readouterr()
+    assert "alice" in out and secret[:17] in out and secret not in out + err
+    assert "60rpm,100000tpm,2 streams" in out
+
+    assert shoal(["keys", "list", "--json", "--database-url", db_url]) == 0
+    [listed] = json.loads(capsys.readouterr().out)
+    assert listed["name"] == "alice" and listed["scope"] == "inference"
+    assert listed["requests_per_min"] == 60 and listed["tokens_per_min"] == 100000
+    assert listed["max_streams"] == 2 and "secret" not in listed and listed["revoked_at"] is None
+
+
+def test_create_json_then_revoke_by_prefix(
+    db_url: str, stores: StoreFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert shoal(["keys", "create", "--scope", "worker", "--json", "--database-url", db_url]) == 0
+    made = json.loads(capsys.readouterr().out)
+    assert made["secret"].startswith("gk-shoal-") and made["scope"] == "worker"
+
+    assert shoal(["keys", "revoke", made["prefix"], "--database-url", db_url]) == 0
+    out = capsys.readouterr().out
+    assert f"Revoked worker key {made['id']}" in out
+    assert shoal(["keys", "revoke", made["id"], "--database-url", db_url]) == 0
+    assert "already revoked" in capsys.readouterr().out
+
+    assert shoal(["keys", "list", "--database-url", db_url]) == 0
+    assert "No keys" in capsys.readouterr().out
+    assert shoal(["keys", "list", "--all", "--database-url", db_url]) == 0
+    out = capsys.readouterr().out
+    assert "REVOKED" in out and made["id"] in out
+    store = stores(db_url)
+    [key] = store.list(include_revoked=True)
+    assert key.id == made["id"] and key.revoked
+
+
+def test_database_url_from_the_environment(
+    sqlite_url: str,
+    stores: StoreFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("SHOAL_DATABASE_URL", sqlite_url)
+    assert shoal(["keys", "create", "--scope", "admin"]) == 0
+    secret = capsys.readouterr().out.splitlines()[-1]
+    assert secret.startswith("ak-shoal-")
+    assert [k.scope for k in stores(sqlite_url).list()] == [Scope.ADMIN]
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        (["keys", "create", "--scope", "inference", "--rate", "60/min"], "--rate: cannot read"),
+        (["keys", "create", "--scope", "inference", "--max-streams", "0"], "--max-streams"),
+        (["keys", "revoke", "sk-shoal-nothere"], "no key has the id or prefix"),
+        (["usage", "--since", "yesterday"], "--since 'yesterday'"),
+        (["usage", "--key", "key_nothere"], "no key has the id or prefix"),
+        (["keys"], "choose an action"),
+    ],
+)
+def test_mistakes_are_one_line_errors(
+    argv: list[str], problem: str, sqlite_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if argv == ["keys"]:
+        with pytest.raises(SystemExit):  # argparse: the action is required
+            shoal(argv)
+        return
+    assert shoal([*argv, "--database-url", sqlite_url]) == 2
+    err = capsys.readouterr().err
+    assert problem in err and "Traceback" not in err
+
+
+def test_unreachable_database_is_a_user_error(capsys: pytest.CaptureFixture[str]) -> None:
+    url = "postgresql://postgres:pw-not-shown@127.0.0.1:1/test"
+    assert shoal(["keys", "list", "--database-url", url]) == 2
+    err = capsys.readouterr().err
+    assert "cannot open the key database" in err and "pw-not-shown" not in err
+
+
+def test_usage_table_and_json(
+    db_url: str, stores: StoreFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert shoal(["usage", "--database-url", db_url]) == 0
+    assert "No usage recorded" in capsys.readouterr().out
+
+    store = stores(db_url)
+    alice, _ = store.create(Scope.INFERENCE, "alice")
+    bob, _ = store.create(Scope.INFERENCE, "bob")
+    store.record_usage(alice.id, "qwen", 2, 100, 40)
+    store.record_usage(alice.id, "llama", 1, 10, 4)
+    store.record_usage(bob.id, "qwen", 3, 30, 30)
+    store.flush_usage()
+
+    assert shoal(["usage", "--database-url", db_url]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[1].split() == ["KEY", "NAME", "MODEL", "REQUESTS", "TOKENS", "IN", "TOKENS", "OUT"]
+    assert [alice.id, "alice", "qwen", "2", "100", "40"] in [line.split() for line in lines]
+    assert lines[-1].split() == ["TOTAL", "6", "140", "74"]
+
+    argv = ["usage", "--json", "--since", "1h", "--key", bob.prefix, "--database-url", db_url]
+    assert shoal(argv) == 0
+    [row] = json.loads(capsys.readouterr().out)
+    assert (row["key_name"], row["model"], row["requests"], row["tokens_in"]) == (
+        "bob", "qwen", 3, 30,
+    )  # fmt: skip
+    assert shoal(["usage", "--json", "--model", "llama", "--database-url", db_url]) == 0
+    assert [r["key_id"] for r in json.loads(capsys.readouterr().out)] == [alice.id]
+
+
+@pytest.mark.parametrize(
+    ("text", "hours"), [("90m", 1.5), ("24h", 24), ("7d", 168), ("2w", 336), ("1 H", 1)]
+)
+def test_parse_since_durations(text: str, hours: float) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    now = datetime(2025, 6, 1, 12, tzinfo=UTC)
+    assert parse_since(text, now) == now - timedelta(hours=hours)
+
+
+def test_parse_since_dates_are_utc_unless_they_say() -> None:
+    from datetime import UTC, datetime
+
+    assert parse_since("2025-01-31") == datetime(2025, 1, 31, tzinfo=UTC)
+    assert parse_since("2025-01-31T12:00+02:00").utcoffset() is not None

@@ -1,0 +1,86 @@
+"""The router's key checks on the real key store: scopes, the open-on-loopback rule, and a key
+database that fails (503, never an open door)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from pydantic import SecretStr
+from starlette.datastructures import Headers
+
+from shoal.keys import KeyStore, Scope, open_store
+from shoal.router.auth import OPEN, KeyCheck
+from shoal.router.errors import Forbidden, Unauthorized, Unavailable
+
+PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
+
+
+def bearer(key: str) -> Headers:
+    return Headers({"authorization": f"Bearer {key}"})
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[KeyStore]:
+    opened = open_store(f"sqlite:///{tmp_path / 'keys.db'}")
+    yield opened
+    opened.close()
+
+
+async def test_scopes_and_flags(store: KeyStore) -> None:
+    keys = KeyCheck(
+        api_keys=(SecretStr("flag-key"),), gpu_keys=(), store=store, open_when_keyless=True
+    )
+    _, inference = store.create(Scope.INFERENCE, "app")
+    record, admin = store.create(Scope.ADMIN, "ops")
+    _, worker = store.create(Scope.WORKER, "gpus")
+    assert (await keys.client(bearer(inference))).name == "app"
+    assert (await keys.client(bearer(admin))).key_id == record.id  # admin may call inference
+    assert (await keys.client(bearer("flag-key"))).key_id is None
+    with pytest.raises(Unauthorized):
+        await keys.client(bearer(worker))  # a GPU key is not an API key
+    with pytest.raises(Unauthorized):
+        await keys.admin(bearer(inference))
+    assert await keys.worker(bearer(worker)) and not await keys.worker(bearer(inference))
+
+
+async def test_open_only_on_loopback_and_only_while_keyless(store: KeyStore) -> None:
+    local = KeyCheck(api_keys=(), gpu_keys=(), store=store, open_when_keyless=True)
+    assert await local.client(bearer("anything")) is OPEN
+    remote = KeyCheck(api_keys=(), gpu_keys=(), store=store, open_when_keyless=False)
+    with pytest.raises(Forbidden, match="shoal keys create --scope admin"):
+        await remote.admin(Headers({}))
+    store.create(Scope.INFERENCE, "first")  # a key now exists: the open door closes at once
+    with pytest.raises(Unauthorized):
+        await local.client(bearer("anything"))
+
+
+@pytest.fixture
+def pg_store() -> Iterator[tuple[KeyStore, str]]:
+    schema = f"shoal_auth_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+    opened = open_store(f"{PG_ADMIN}?options=-csearch_path%3D{schema}")
+    try:
+        yield opened, schema
+    finally:
+        opened.close()
+        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+async def test_a_failing_key_database_is_a_503_not_an_open_door(
+    pg_store: tuple[KeyStore, str],
+) -> None:
+    store, schema = pg_store
+    keys = KeyCheck(api_keys=(), gpu_keys=(), store=store, open_when_keyless=True)
+    store.create(Scope.INFERENCE, "app")
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA "{schema}" CASCADE')  # the database breaks under the router
+    with pytest.raises(Unavailable) as caught:
+        await keys.client(bearer("sk-shoal-not-a-cached-key"))
+    assert caught.value.status == 503 and caught.value.headers["Retry-After"] == "5"
+    assert "key database is unreachable" in caught.value.message

@@ -1,0 +1,200 @@
+"""Cluster-wide views: ``/health``, ``queued`` in ``/v1/models`` and ``shoal_queue_depth``.
+
+Two routers' apps (``build_app`` with ``--redis-url``) on the real Redis at 127.0.0.1:6379,
+under this test's own key prefix, with their dispatchers running; workers are real
+``WorkerConnection``s without sockets (their frames are read from the outbox). Requests go
+through each app with httpx. The in-process router is checked to answer as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shoal.protocol.ids import ModelName, WorkerId
+from shoal.protocol.messages import (
+    PROTOCOL_VERSION,
+    BackendState,
+    Endpoint,
+    Hardware,
+    ModelInfo,
+    Register,
+)
+from shoal.router.app import build_app
+from shoal.router.dispatch import Dispatcher
+from shoal.router.jobs import Job
+from shoal.router.redis_dispatch import RedisDispatcher
+from shoal.router.routes.inference import FastPath
+from shoal.router.settings import RouterSettings
+from shoal.router.workers import ConnState, WorkerConnection
+
+M = ModelName("smol")
+HW = Hardware(hostname="h", os="linux", cpu_count=2, ram_total_bytes=1, ram_available_bytes=1)
+WAIT_S = 5.0
+HEARTBEAT_S = 0.2
+
+
+def connect(dispatcher: Dispatcher, name: str, slots: int = 1) -> WorkerConnection:
+    worker = WorkerConnection.from_register(
+        Register(
+            protocol_version=PROTOCOL_VERSION,
+            worker_id=WorkerId(name),
+            name=name,
+            hardware=HW,
+            models=(ModelInfo(name=M, endpoints=(Endpoint.CHAT,)),),
+            slots=slots,
+            state=BackendState.READY,
+        ),
+        peer="test",
+    )
+    worker.move(ConnState.ACTIVE, "test")
+    dispatcher.on_registered(worker)
+    return worker
+
+
+async def until(check: Callable[[], object], what: str) -> None:
+    try:
+        async with asyncio.timeout(WAIT_S):
+            while not check():
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for {what}") from None
+
+
+class RouterApp:
+    """One router's app, its running dispatcher and an httpx client to it."""
+
+    def __init__(self, app: FastPath) -> None:
+        self.app = app
+        self.ctx = app.ctx
+        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r")
+
+    @property
+    def dispatcher(self) -> RedisDispatcher:
+        assert isinstance(self.ctx.dispatcher, RedisDispatcher)
+        return self.ctx.dispatcher
+
+    async def get(self, path: str) -> Any:
+        r = await self.client.get(path)
+        assert r.status_code == 200, r.text
+        return r.json() if path != "/metrics" else r.text
+
+
+@pytest.fixture
+async def routers(tmp_path: Path, redis_prefix: str) -> AsyncIterator[Callable[[], RouterApp]]:
+    """Makes routers sharing the real Redis under this test's prefix; all stopped after."""
+    made: list[RouterApp] = []
+    tasks: list[asyncio.Task[None]] = []
+
+    def make() -> RouterApp:
+        settings = RouterSettings(
+            redis_url="redis://127.0.0.1:6379/0",
+            redis_prefix=redis_prefix,
+            heartbeat_interval=HEARTBEAT_S,
+            database_url=f"sqlite:///{tmp_path}/keys.db",
+        )
+        router = RouterApp(build_app(settings))
+        made.append(router)
+        tasks.append(asyncio.create_task(router.dispatcher.run()))
+        return router
+
+    yield make
+    for task in tasks:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    for router in made:
+        await router.client.aclose()
+        await router.dispatcher.close()
+        await router.ctx.accounting.limiter.close()
+        if router.ctx.store is not None:
+            router.ctx.store.close()
+
+
+def queue_depth(exposition: str, model: str) -> float:
+    for family in text_string_to_metric_families(exposition):
+        for s in family.samples:
+            if s.name == "shoal_queue_depth" and s.labels == {"model": model}:
+                return s.value
+    raise AssertionError(f"no shoal_queue_depth sample for {model}")
+
+
+async def test_health_counts_the_workers_of_every_router(
+    routers: Callable[[], RouterApp],
+) -> None:
+    a, b = routers(), routers()
+    assert await b.get("/health") == {
+        "status": "no_ready_workers",
+        "version": (await a.get("/health"))["version"],
+        "queue": "redis",
+        "workers": 0,
+        "ready_workers": 0,
+        "models": [],
+    }
+    connect(a.dispatcher, "wa")
+    loading = connect(a.dispatcher, "wl")
+    loading.set_backend_state(BackendState.LOADING, "test")
+    a.dispatcher.directory.changed()
+    await until(lambda: len(b.dispatcher.remote_workers()) == 2, "B to list A's workers")
+    for router in (a, b):
+        health = await router.get("/health")
+        assert health["workers"] == 2 and health["ready_workers"] == 1, health
+        assert health["status"] == "ok" and health["models"] == [M]
+    [model] = (await b.get("/v1/models"))["data"]
+    assert model["id"] == M and model["workers"] == 2 and model["queued"] == 0
+
+
+async def test_every_router_sees_the_jobs_waiting_in_redis(
+    routers: Callable[[], RouterApp],
+) -> None:
+    a, b = routers(), routers()
+    worker = connect(a.dispatcher, "wa", slots=1)
+    await until(lambda: b.dispatcher.remote_workers(), "B to list A's worker")
+    jobs: list[Job] = [a.dispatcher.submit(M, Endpoint.CHAT, False, {}) for _ in range(3)]
+    jobs.append(b.dispatcher.submit(M, Endpoint.CHAT, False, {}))
+    await a.dispatcher.wait_assigned(jobs[0])  # the one slot; three wait in Redis
+    assert worker.running.keys() == {jobs[0].id}
+
+    def both_see(n: int) -> bool:
+        return all(r.dispatcher.queue_depths().get(M, 0) == n for r in (a, b))
+
+    await until(lambda: both_see(3), "both routers to count 3 waiting jobs")
+    for router in (a, b):
+        [model] = (await router.get("/v1/models"))["data"]
+        assert model["queued"] == 3
+        assert queue_depth(await router.get("/metrics"), M) == 3
+    for job in jobs[1:]:
+        (a if job in jobs[:3] else b).dispatcher.cancel(job, "test")
+    await until(lambda: both_see(0), "the cancelled jobs to leave the count")
+    assert queue_depth(await b.get("/metrics"), M) == 0
+
+
+async def test_in_process_health_and_depths_are_this_routers(tmp_path: Path) -> None:
+    settings = RouterSettings(database_url=f"sqlite:///{tmp_path}/keys.db")
+    router = RouterApp(build_app(settings))
+    dispatcher = router.ctx.dispatcher
+    try:
+        assert type(dispatcher) is Dispatcher and dispatcher.queue_backend == "memory"
+        connect(dispatcher, "w1", slots=1)
+        first = dispatcher.submit(M, Endpoint.CHAT, False, {})
+        dispatcher.submit(M, Endpoint.CHAT, False, {})
+        dispatcher.submit(M, Endpoint.CHAT, False, {})
+        assert first.worker_id == "w1"
+        assert dict(dispatcher.queue_depths()) == {M: 2} and dispatcher.queued(M) == 2
+        health = await router.get("/health")
+        [model] = (await router.get("/v1/models"))["data"]
+        assert queue_depth(await router.get("/metrics"), M) == 2
+    finally:
+        await router.client.aclose()
+        await router.ctx.accounting.limiter.close()
+        if router.ctx.store is not None:
+            router.ctx.store.close()
+    assert health["queue"] == "memory" and health["workers"] == 1
+    assert health["ready_workers"] == 1 and model["queued"] == 2

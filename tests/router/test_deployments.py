@@ -1,0 +1,157 @@
+"""The pipeline controller on its own: real registry and worker connections, no sockets; the
+real default model's GGUF to plan from. Workers' answers are fed in as ``ShardStatus``."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from shoal.controller.deployment import DeploymentSpec, DeploymentState
+from shoal.controller.placement import Strategy
+from shoal.protocol.ids import WorkerId
+from shoal.protocol.messages import (
+    PROTOCOL_VERSION,
+    BackendState,
+    Hardware,
+    Message,
+    Register,
+    RpcPeer,
+    ShardRole,
+    ShardStart,
+    ShardState,
+    ShardStatus,
+    ShardStop,
+    decode_router_message,
+)
+from shoal.router.deployments import Deployments
+from shoal.router.workers import ConnState, Registry, WorkerConnection
+
+GIB = 2**30
+
+
+class FakeTunnels:
+    """Stands in for the router's tunnel listener (no sockets in these tests)."""
+
+    def __init__(self) -> None:
+        self.closed: list[str] = []
+
+    def open(self, deployment: str, stage: WorkerConnection) -> RpcPeer:
+        return RpcPeer(
+            worker_id=stage.id, tunnel_id=f"t-{stage.id}", tunnel_token="s", tunnel_port=1
+        )
+
+    def close(self, deployment: str) -> None:
+        self.closed.append(deployment)
+
+
+def connect(registry: Registry, name: str, ram: int = 8 * GIB) -> WorkerConnection:
+    hw = Hardware(
+        hostname=name, os="linux", cpu_count=2, ram_total_bytes=ram, ram_available_bytes=ram
+    )
+    worker = WorkerConnection.from_register(
+        Register(
+            protocol_version=PROTOCOL_VERSION,
+            worker_id=WorkerId(name),
+            name=name,
+            hardware=hw,
+            models=(),
+            slots=1,
+            state=BackendState.READY,
+        ),
+        peer="test",
+    )
+    worker.move(ConnState.ACTIVE, "test")
+    registry.add(worker)
+    return worker
+
+
+def sent(worker: WorkerConnection) -> list[Message]:
+    out = []
+    while not worker.outbox.empty():
+        out.append(decode_router_message(worker.outbox.get_nowait()))
+    return out
+
+
+def status(
+    worker: WorkerConnection, role: ShardRole, state: ShardState, build: str = "b1"
+) -> ShardStatus:
+    return ShardStatus(deployment="split", role=role, state=state, build=build)
+
+
+async def deployed(model_path: Path, registry: Registry) -> Deployments:
+    controller = Deployments(registry, None, FakeTunnels(), lambda source: model_path)
+    spec = DeploymentSpec(
+        "split", str(model_path), 1024, Strategy.BALANCED, ("a", "b", "c"), "relayed"
+    )
+    await controller.deploy(spec)
+    return controller
+
+
+async def test_stages_first_then_the_head_with_the_plans_numbers(model_path: Path) -> None:
+    registry = Registry()
+    a, b, c = (connect(registry, n) for n in "abc")
+    controller = await deployed(model_path, registry)
+    d = controller.items["split"]
+    assert d.state is DeploymentState.STARTING
+    assert sent(a) == []  # the head waits for its stages
+    for stage in (b, c):
+        [start] = sent(stage)
+        assert isinstance(start, ShardStart) and start.role is ShardRole.STAGE
+    controller.on_shard(b, status(b, ShardRole.STAGE, ShardState.READY))
+    assert sent(a) == []
+    controller.on_shard(c, status(c, ShardRole.STAGE, ShardState.READY))
+    [head] = sent(a)
+    assert isinstance(head, ShardStart) and head.role is ShardRole.HEAD
+    assert head.n_gpu_layers == 21 and head.tensor_split == (10.0, 11.0)
+    assert [p.tunnel_id for p in head.peers] == ["t-b", "t-c"]
+    controller.on_shard(a, status(a, ShardRole.HEAD, ShardState.READY))
+    assert d.state is DeploymentState.SERVING and controller.unavailable("split") is None
+
+
+async def test_a_build_mismatch_is_refused_naming_both_builds(model_path: Path) -> None:
+    registry = Registry()
+    a, b, c = (connect(registry, n) for n in "abc")
+    controller = await deployed(model_path, registry)
+    controller.on_shard(b, status(b, ShardRole.STAGE, ShardState.READY, build="b11434"))
+    controller.on_shard(c, status(c, ShardRole.STAGE, ShardState.READY, build="b11500"))
+    d = controller.items["split"]
+    assert d.state is DeploymentState.DEGRADED
+    assert "b11434" in d.detail and "b11500" in d.detail and "same Shoal version" in d.detail
+    assert all(isinstance(m, ShardStop) for w in (b, c) for m in sent(w)[-1:])
+    why = controller.unavailable("split")
+    assert why is not None and "degraded" in why
+
+
+async def test_a_worker_leaving_degrades_and_a_smaller_plan_follows(model_path: Path) -> None:
+    registry = Registry()
+    a, b, c = (connect(registry, n) for n in "abc")
+    controller = Deployments(registry, None, FakeTunnels(), lambda source: model_path)
+    spec = DeploymentSpec("split", str(model_path), 1024, Strategy.BALANCED, None, "relayed")
+    await controller.deploy(spec)
+    for w in (b, c):
+        controller.on_shard(w, status(w, ShardRole.STAGE, ShardState.READY))
+    controller.on_shard(a, status(a, ShardRole.HEAD, ShardState.READY))
+    registry.remove(c)
+    controller.on_lost(c)
+    d = controller.items["split"]
+    assert d.state is DeploymentState.DEGRADED and "left" in d.detail
+    d.retry_at = 0.0  # the backoff has passed
+    task = asyncio.create_task(controller.run())
+    try:
+        async with asyncio.timeout(5):
+            while d.state is not DeploymentState.STARTING:
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+    assert [s.worker_id for s in d.shards] == ["a", "b"]
+    assert [(s.first_layer, s.last_layer) for s in d.shards] == [(0, 14), (15, 29)]
+
+
+async def test_no_fit_is_pending_with_the_shortfall(model_path: Path) -> None:
+    registry = Registry()
+    for name in "abc":
+        connect(registry, name, ram=64 * 2**20)
+    controller = await deployed(model_path, registry)
+    d = controller.items["split"]
+    assert d.state is DeploymentState.PENDING
+    assert "short" in d.detail or "need" in d.detail, d.detail

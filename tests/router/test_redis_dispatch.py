@@ -1,0 +1,249 @@
+"""The Redis dispatcher: two of them (two routers) on the real Redis at 127.0.0.1:6379, with
+real registries and worker connections but no sockets (a worker's frames are fed in, its
+outbox is read). Each test uses its own key prefix and deletes its keys afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from shoal.protocol.ids import JobId, ModelName, WorkerId
+from shoal.protocol.messages import (
+    PROTOCOL_VERSION,
+    BackendState,
+    Endpoint,
+    ErrorBody,
+    Hardware,
+    JobCancel,
+    JobDone,
+    JobFailed,
+    JobResult,
+    JobResume,
+    JobStart,
+    Message,
+    ModelInfo,
+    Register,
+    RunningJob,
+    decode_router_message,
+)
+from shoal.router.errors import ModelNotFound, QueueFull, Unavailable
+from shoal.router.jobs import Data, Done, JobState, Requeued, Result
+from shoal.router.redis_dispatch import RedisDispatcher
+from shoal.router.settings import RouterSettings
+from shoal.router.workers import ConnState, Registry, WorkerConnection
+
+M = ModelName("smol")
+HW = Hardware(hostname="h", os="linux", cpu_count=2, ram_total_bytes=1, ram_available_bytes=1)
+WAIT_S = 5.0
+
+Factory = Callable[..., Awaitable[RedisDispatcher]]
+
+
+@pytest.fixture
+async def make() -> AsyncIterator[Factory]:
+    """Makes running dispatchers (one Redis client each), all stopped and cleaned up after."""
+    prefix = f"shoal-test-{uuid.uuid4().hex[:10]}:"
+    clients: list[aioredis.Redis] = []
+    tasks: list[asyncio.Task[None]] = []
+
+    async def factory(**settings: Any) -> RedisDispatcher:
+        clients.append(aioredis.Redis(host="127.0.0.1", port=6379, socket_timeout=10))
+        s = RouterSettings(redis_prefix=prefix, heartbeat_interval=0.2, **settings)
+        dispatcher = RedisDispatcher(s, Registry(), clients[-1])
+        tasks.append(asyncio.create_task(dispatcher.run()))
+        await asyncio.sleep(0)  # run() opens its task group: submit works from here on
+        return dispatcher
+
+    yield factory
+    for task in tasks:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    cleaner = aioredis.Redis(host="127.0.0.1", port=6379)
+    try:
+        async for key in cleaner.scan_iter(match=prefix + "*", count=500):
+            await cleaner.unlink(key)
+    finally:
+        await cleaner.aclose()
+        for c in clients:
+            await c.aclose()
+
+
+def connect(
+    dispatcher: RedisDispatcher, name: str, slots: int = 1, held: tuple[RunningJob, ...] = ()
+) -> WorkerConnection:
+    worker = WorkerConnection.from_register(
+        Register(
+            protocol_version=PROTOCOL_VERSION,
+            worker_id=WorkerId(name),
+            name=name,
+            hardware=HW,
+            models=(ModelInfo(name=M, endpoints=(Endpoint.CHAT,)),),
+            slots=slots,
+            state=BackendState.READY,
+        ),
+        peer="test",
+    )
+    worker.move(ConnState.ACTIVE, "test")
+    dispatcher.on_registered(worker, held)
+    return worker
+
+
+async def frame(worker: WorkerConnection) -> Message:
+    async with asyncio.timeout(WAIT_S):
+        return decode_router_message(await worker.outbox.get())
+
+
+async def until(check: Callable[[], object]) -> None:
+    async with asyncio.timeout(WAIT_S):
+        while not check():
+            await asyncio.sleep(0.02)
+
+
+async def test_job_sent_to_one_router_runs_on_a_worker_of_another(make: Factory) -> None:
+    a, b = await make(), await make()
+    worker = connect(b, "wb")
+    await until(lambda: a.remote_workers())
+    [listed] = a.worker_summaries()
+    assert listed["id"] == "wb" and listed["router"] == b.name
+    job = a.submit(M, Endpoint.CHAT, True, {"messages": []})
+    await a.wait_assigned(job)
+    start = await frame(worker)
+    assert isinstance(start, JobStart) and start.job_id == job.id
+    b.on_chunks(worker, [(job.id, "one"), (job.id, "two")])
+    b.on_message(worker, JobDone(job_id=job.id))
+    got = [await asyncio.wait_for(job.events.get(), WAIT_S) for _ in range(3)]
+    assert got == [Data("one"), Data("two"), Done()]
+    assert job.state is JobState.SUCCEEDED
+    assert not worker.running
+
+
+async def test_unknown_model_is_404_on_every_router(make: Factory) -> None:
+    a, b = await make(), await make()
+    connect(b, "wb")
+    await until(lambda: a.remote_workers())
+    with pytest.raises(ModelNotFound):
+        a.submit(ModelName("other"), Endpoint.CHAT, False, {})
+
+
+async def test_client_gone_stops_the_generation_on_the_other_router(make: Factory) -> None:
+    a, b = await make(), await make()
+    worker = connect(b, "wb")
+    await until(lambda: a.remote_workers())
+    job = a.submit(M, Endpoint.CHAT, True, {})
+    await a.wait_assigned(job)
+    assert isinstance(await frame(worker), JobStart)
+    a.cancel(job, "client disconnected")
+    cancel = await frame(worker)
+    assert isinstance(cancel, JobCancel) and cancel.job_id == job.id
+    assert not worker.running
+
+
+async def test_wait_limit_withdraws_the_job_from_redis(make: Factory) -> None:
+    a = await make(max_wait=0.5)
+    worker = connect(a, "wa")
+    first = a.submit(M, Endpoint.CHAT, False, {})
+    await a.wait_assigned(first)
+    assert isinstance(await frame(worker), JobStart)
+    second = a.submit(M, Endpoint.CHAT, False, {})  # the only slot is busy
+    with pytest.raises(Unavailable, match="within 0.5 s"):
+        await a.wait_assigned(second)
+    assert second.state is JobState.FAILED
+    assert str(await a.rqueue.status(second.id)) == "cancelled"
+
+
+async def test_full_queue_is_a_429(make: Factory) -> None:
+    a = await make(max_queue=1)
+    worker = connect(a, "wa")
+    first = a.submit(M, Endpoint.CHAT, False, {})
+    await a.wait_assigned(first)
+    assert isinstance(await frame(worker), JobStart)
+    second = a.submit(M, Endpoint.CHAT, False, {})
+    await asyncio.sleep(0.2)  # the refusal is kept until the request handler waits
+    with pytest.raises(QueueFull):
+        await a.wait_assigned(second)
+    assert second.state is JobState.FAILED
+    assert await a.rqueue.waiting() == {(M, Endpoint.CHAT): 0}  # the refused job never waited
+
+
+async def test_lost_worker_job_without_output_runs_again_elsewhere(make: Factory) -> None:
+    a, b = await make(), await make()
+    doomed = connect(b, "doomed")
+    await until(lambda: a.remote_workers())
+    job = a.submit(M, Endpoint.CHAT, False, {})
+    await a.wait_assigned(job)
+    assert isinstance(await frame(doomed), JobStart)
+    doomed.move(ConnState.CLOSED, "test")
+    b.on_lost(doomed, "connection closed")
+    assert isinstance(await asyncio.wait_for(job.events.get(), WAIT_S), Requeued)
+    rescuer = connect(a, "rescuer")
+    await a.wait_assigned(job)
+    start = await frame(rescuer)
+    assert isinstance(start, JobStart) and start.job_id == JobId(job.id)
+    assert job.requeues == 1
+
+
+async def test_retryable_failure_runs_the_job_again(make: Factory) -> None:
+    a = await make()
+    worker = connect(a, "wa")
+    job = a.submit(M, Endpoint.CHAT, False, {})
+    await a.wait_assigned(job)
+    assert isinstance(await frame(worker), JobStart)
+    error = ErrorBody(message="backend restarting", type="server_error")
+    a.on_message(worker, JobFailed(job_id=job.id, status=503, error=error, retryable=True))
+    assert isinstance(await asyncio.wait_for(job.events.get(), WAIT_S), Requeued)
+    again = await frame(worker)
+    assert isinstance(again, JobStart) and again.job_id == job.id
+    a.on_message(worker, JobResult(job_id=job.id, body='{"ok": true}'))
+    assert await asyncio.wait_for(job.events.get(), WAIT_S) == Result('{"ok": true}')
+    assert job.state is JobState.SUCCEEDED
+
+
+async def test_worker_whose_router_died_resumes_its_stream_through_another(make: Factory) -> None:
+    """Router B holds a streamed job for router A's client and dies mid-answer; its worker
+    reconnects to router C, which adopts the job: the client gets every chunk exactly once."""
+    a, b, c = await make(), await make(), await make()
+    worker = connect(b, "wb")
+    await until(lambda: a.remote_workers())
+    job = a.submit(M, Endpoint.CHAT, True, {})
+    await a.wait_assigned(job)
+    start = await frame(worker)
+    assert isinstance(start, JobStart) and start.attempt == 1
+    b.on_chunks(worker, [(job.id, "one"), (job.id, "two")])
+    got = [await asyncio.wait_for(job.events.get(), WAIT_S) for _ in range(2)]
+    assert got == [Data("one"), Data("two")]
+    # B is gone for the worker (it still runs the job); it registers with C, holding it.
+    again = connect(c, "wb", held=(RunningJob(job_id=job.id, attempt=1),))
+    assert len(again.running) == 1  # the slot is busy from the start
+    resume = await frame(again)
+    assert resume == JobResume(job_id=job.id, from_chunk=2)
+    b.on_chunks(worker, [(job.id, "stale")])  # the old holder is fenced off
+    assert await frame(worker) == JobCancel(job_id=job.id)
+    c.on_chunks(again, [(job.id, "three")])
+    c.on_message(again, JobDone(job_id=job.id))
+    got = [await asyncio.wait_for(job.events.get(), WAIT_S) for _ in range(2)]
+    assert got == [Data("three"), Done()]
+    assert job.state is JobState.SUCCEEDED
+    await until(lambda: not again.running)
+
+
+async def test_a_job_run_again_elsewhere_is_cancelled_on_the_reconnecting_worker(
+    make: Factory,
+) -> None:
+    a, b = await make(), await make()
+    worker = connect(b, "wb")
+    await until(lambda: a.remote_workers())
+    job = a.submit(M, Endpoint.CHAT, True, {})
+    await a.wait_assigned(job)
+    assert isinstance(await frame(worker), JobStart)
+    stale = connect(a, "wa", held=(RunningJob(job_id=job.id, attempt=2),))
+    assert await frame(stale) == JobCancel(job_id=job.id)
+    unknown = connect(a, "wc", held=(RunningJob(job_id=JobId("job-gone"), attempt=1),))
+    assert await frame(unknown) == JobCancel(job_id=JobId("job-gone"))
+    await until(lambda: not stale.running and not unknown.running)

@@ -154,10 +154,14 @@ class RedisDispatcher(Dispatcher):
                 tg.create_task(self.tail.run())
                 tg.create_task(self.directory.run())
                 tg.create_task(self.holder.run_claims())
-                tg.create_task(self.holder.run_publisher())
-                tg.create_task(self.holder.run_renewals())
-                tg.create_task(self.holder.run_cancellations())
-                tg.create_task(self.holder.run_sweeps())
+                loops = self.holder.loops
+                for loop in (
+                    loops.run_publisher,
+                    loops.run_renewals,
+                    loops.run_cancellations,
+                    loops.run_sweeps,
+                ):
+                    tg.create_task(loop())
                 tg.create_task(self.holder.run_adoptions())
                 tg.create_task(self.run_depths())
                 await asyncio.Event().wait()

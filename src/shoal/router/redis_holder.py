@@ -5,7 +5,9 @@ One claim loop takes as many jobs as this router's workers have free slots, for 
 one to free or a worker to join, without polling). Each job goes to a worker picked with
 ``pick_worker``; the worker's frames become output events, published in one round trip per
 batch (whatever arrived while the previous publish was in flight). Leases are renewed every
-``renew_interval_s``; cancellations from any router reach the worker as ``JobCancel``.
+``renew_interval_s``; cancellations from any router reach the worker as ``JobCancel``. Those
+loops (publishing, renewals, cancellations, sweeps) are ``queue.redis_consumer.ConsumerLoops``,
+the same a pull-mode worker runs; this class says what it holds and how to stop a job.
 
 A retryable failure, or a lost worker, puts a job that published nothing back in its queue
 (another worker anywhere runs it); a job that had answered in part fails with a 502. A
@@ -39,15 +41,14 @@ from shoal.protocol.messages import (
     RunningJob,
 )
 from shoal.queue import events
-from shoal.queue.redis_streams import LOST_AFTER_START, Claimed, RedisJobQueue
-from shoal.queue.redis_support import REDIS_DOWN, RETRY_MAX_DELAY_S, Lease, raise_if_cancelled
+from shoal.queue.redis_consumer import ConsumerLoops, GiveBack, Outgoing
+from shoal.queue.redis_streams import Claimed, RedisJobQueue
+from shoal.queue.redis_support import REDIS_DOWN, raise_if_cancelled
 from shoal.router.jobs import Job, JobState
 from shoal.router.scheduler import pick_worker
 from shoal.router.workers import Registry, WorkerConnection
 
 log = logging.getLogger(__name__)
-
-SWEEP_EVERY_LEASES = 0.5  # sweep for dead holders twice per lease
 
 
 @dataclass(eq=False, slots=True)
@@ -60,17 +61,6 @@ class Held:
     started: bool = False  # output was published: it can no longer run again
 
 
-@dataclass(frozen=True, slots=True)
-class GiveBack:
-    """Put a job that published nothing back in its queue."""
-
-    claimed: Claimed
-    reason: str
-
-
-Outgoing = tuple[Claimed, events.OutputEvent] | GiveBack
-
-
 class Holder:
     """Claims jobs for this router's workers and relays their output to Redis."""
 
@@ -81,8 +71,7 @@ class Holder:
         self._held: dict[JobId, Held] = {}
         self._unplaced: deque[Claimed] = deque()  # claimed, no free worker for it yet
         self._capacity = asyncio.Event()
-        self._outbox: list[Outgoing] = []
-        self._flush = asyncio.Event()
+        self.loops = ConsumerLoops(queue, self)
         self._adoptions: asyncio.Queue[tuple[WorkerConnection, tuple[RunningJob, ...]]]
         self._adoptions = asyncio.Queue()
 
@@ -273,46 +262,15 @@ class Holder:
         return not held.started and held.claimed.attempt <= self.max_requeues
 
     def _send(self, item: Outgoing) -> None:
-        self._outbox.append(item)
-        self._flush.set()
+        self.loops.send(item)
 
     # ------------------------------------------------------------ Redis side
 
-    async def run_publisher(self) -> None:
-        """Publish the outbox, one round trip per batch."""
-        while True:
-            await self._flush.wait()
-            self._flush.clear()
-            batch, self._outbox = self._outbox, []
-            try:
-                await self._publish(batch)
-            except REDIS_DOWN as exc:
-                # The events may or may not be written; their jobs stop here and the
-                # sweep recovers them after the lease.
-                log.error("could not publish %d events: %s", len(batch), exc)
-                for item in batch:
-                    claimed = item.claimed if isinstance(item, GiveBack) else item[0]
-                    self._stop(claimed.job.id)
-            raise_if_cancelled()
+    def held_claims(self) -> list[Claimed]:
+        """Every job claimed here: running on a worker, or waiting for one."""
+        return [h.claimed for h in self._held.values()] + list(self._unplaced)
 
-    async def _publish(self, batch: list[Outgoing]) -> None:
-        outputs = [item for item in batch if not isinstance(item, GiveBack)]
-        leases = await self.queue.publish_many(outputs)
-        for job_id, lease in leases.items():
-            if lease is not Lease.HELD:
-                await self._lost_lease(job_id, lease)
-        for item in batch:
-            if isinstance(item, GiveBack) and not await self.queue.requeue(
-                item.claimed, item.reason
-            ):
-                await self.queue.publish(item.claimed, LOST_AFTER_START)
-
-    async def _lost_lease(self, job_id: JobId, lease: Lease) -> None:
-        claimed = self._stop(job_id)
-        if claimed is not None and lease is Lease.CANCELLED:
-            await self.queue.ack(claimed)
-
-    def _stop(self, job_id: JobId) -> Claimed | None:
+    def stop_job(self, job_id: JobId) -> Claimed | None:
         """Stop a job here (cancelled, taken over): tell its worker, free its slot."""
         held = self._release(job_id)
         if held is not None:
@@ -324,48 +282,6 @@ class Holder:
                 self._unplaced.remove(claimed)
                 return claimed
         return None
-
-    async def run_renewals(self) -> None:
-        while True:
-            await asyncio.sleep(self.queue.renew_interval_s)
-            claims = [h.claimed for h in self._held.values()] + list(self._unplaced)
-            try:
-                leases = await self.queue.renew(claims)
-            except REDIS_DOWN as exc:
-                self.queue.outage.failed("renew", exc)
-                continue
-            raise_if_cancelled()
-            for job_id, lease in leases.items():
-                if lease is not Lease.HELD:
-                    await self._lost_lease(job_id, lease)
-
-    async def run_cancellations(self) -> None:
-        while True:
-            try:
-                async for job_id in self.queue.cancellations():
-                    claimed = self._stop(job_id)
-                    if claimed is not None:
-                        await self.queue.ack(claimed)
-            except REDIS_DOWN as exc:
-                self.queue.outage.failed("cancellations", exc)
-                await asyncio.sleep(RETRY_MAX_DELAY_S)
-
-    async def run_sweeps(self) -> None:
-        """Recover jobs whose holder died: unstarted ones run again, started ones fail."""
-        while True:
-            await asyncio.sleep(self.queue.lease_ms / 1000 * SWEEP_EVERY_LEASES)
-            try:
-                swept = await self.queue.sweep()
-            except REDIS_DOWN as exc:
-                self.queue.outage.failed("sweep", exc)
-                continue
-            raise_if_cancelled()
-            if swept.failed or swept.requeued:
-                log.warning(
-                    "sweep: %d job(s) of dead holders put back, %d failed",
-                    swept.requeued,
-                    swept.failed,
-                )
 
 
 def _lost(why: str) -> events.Failed:

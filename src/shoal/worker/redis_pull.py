@@ -16,7 +16,9 @@ comes back here (this class is its ``JobSink``) and is published in one round tr
 (whatever piled up while the previous publish was in flight). Leases are renewed every
 ``renew_interval_s``; cancellations stop the job in the runner. A retryable failure of a job
 that published nothing goes back to its queue for any worker to run. A periodic ``sweep``
-puts back the jobs of holders that died (a killed pull worker, a dead router).
+puts back the jobs of holders that died (a killed pull worker, a dead router). Publishing,
+renewals, cancellations and sweeps are ``queue.redis_consumer.ConsumerLoops``, shared with
+the router's ``Holder``.
 
 During a Redis outage the jobs held keep running; a publish that still fails after the
 queue's ``outage_s`` stops its job here (the sweep recovers it once Redis is back).
@@ -48,8 +50,9 @@ from shoal.protocol.messages import (
     Register,
 )
 from shoal.queue import events
-from shoal.queue.redis_streams import LEASE_MS, LOST_AFTER_START, Claimed, RedisJobQueue
-from shoal.queue.redis_support import REDIS_DOWN, RETRY_MAX_DELAY_S, Lease, raise_if_cancelled
+from shoal.queue.redis_consumer import ConsumerLoops, GiveBack, Outgoing
+from shoal.queue.redis_streams import LEASE_MS, Claimed, RedisJobQueue
+from shoal.queue.redis_support import REDIS_DOWN, RETRY_MAX_DELAY_S, raise_if_cancelled
 from shoal.worker.backoff import Backoff
 from shoal.worker.hardware import MemoryProbe
 from shoal.worker.redis_presence import Presence, Summary, summary
@@ -63,7 +66,6 @@ SOCKET_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 2.0
 MAX_REQUEUES = 2
 """Times a job that failed retryably here goes back to its queue (the routers' default)."""
-SWEEP_EVERY_LEASES = 0.5  # sweep for dead holders twice per lease
 STOP_TIMEOUT_S = 2.0
 """How long a stopping worker tries to hand back its jobs (else the sweep recovers them)."""
 
@@ -139,17 +141,6 @@ class Held:
     started: bool = False  # output was published: it can no longer run again
 
 
-@dataclass(frozen=True, slots=True)
-class GiveBack:
-    """Put a job that published nothing back in its queue."""
-
-    claimed: Claimed
-    reason: str
-
-
-Outgoing = tuple[Claimed, events.OutputEvent] | GiveBack
-
-
 class RedisPuller:
     """Claims jobs for this worker's slots from Redis and publishes their output there."""
 
@@ -184,8 +175,7 @@ class RedisPuller:
         self.connected_at = time.time()
         self._held: dict[JobId, Held] = {}
         self._wake = asyncio.Event()  # a slot freed, the backend or the models changed
-        self._outbox: list[Outgoing] = []
-        self._flush = asyncio.Event()
+        self.loops = ConsumerLoops(self.queue, self)
 
     @property
     def running(self) -> int:
@@ -232,10 +222,13 @@ class RedisPuller:
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self.presence.run())
-                tg.create_task(self._publisher())
-                tg.create_task(self._renewals())
-                tg.create_task(self._cancellations())
-                tg.create_task(self._sweeps())
+                for loop in (
+                    self.loops.run_publisher,
+                    self.loops.run_renewals,
+                    self.loops.run_cancellations,
+                    self.loops.run_sweeps,
+                ):
+                    tg.create_task(loop())
                 # A task, so that a runner task created before ``run()`` opens first.
                 tg.create_task(self._claims())
         finally:
@@ -334,44 +327,16 @@ class RedisPuller:
         return not held.started and held.claimed.attempt <= self.max_requeues
 
     def _send(self, item: Outgoing) -> None:
-        self._outbox.append(item)
-        self._flush.set()
+        self.loops.send(item)
 
     # ------------------------------------------------------------ Redis side
 
-    async def _publisher(self) -> None:
-        """Publish the outbox, one round trip per batch."""
-        while True:
-            await self._flush.wait()
-            self._flush.clear()
-            batch, self._outbox = self._outbox, []
-            try:
-                await self._publish(batch)
-            except REDIS_DOWN as exc:
-                # The events may or may not be written; their jobs stop here and the sweep
-                # recovers them after the lease.
-                log.error("could not publish %d events: %s", len(batch), exc)
-                for item in batch:
-                    claimed = item.claimed if isinstance(item, GiveBack) else item[0]
-                    self._stop(claimed.job.id)
-            raise_if_cancelled()
+    def held_claims(self) -> list[Claimed]:
+        return [h.claimed for h in self._held.values()]
 
-    async def _publish(self, batch: list[Outgoing]) -> None:
-        outputs = [item for item in batch if not isinstance(item, GiveBack)]
-        leases = await self.queue.publish_many(outputs)
-        for job_id, lease in leases.items():
-            if lease is not Lease.HELD:
-                await self._lost_lease(job_id, lease)
-        for item in batch:
-            if isinstance(item, GiveBack) and not await self.queue.requeue(
-                item.claimed, item.reason
-            ):
-                await self.queue.publish(item.claimed, LOST_AFTER_START)
-
-    async def _lost_lease(self, job_id: JobId, lease: Lease) -> None:
+    def stop_job(self, job_id: JobId) -> Claimed | None:
         held = self._stop(job_id)
-        if held is not None and lease is Lease.CANCELLED:
-            await self.queue.ack(held.claimed)
+        return held.claimed if held is not None else None
 
     def _stop(self, job_id: JobId) -> Held | None:
         """Stop a job here (cancelled, taken over): cancel it in the runner, free its slot."""
@@ -381,47 +346,6 @@ class RedisPuller:
             log.info("job %s stopped on pull worker %s", job_id, self.worker_id)
         return held
 
-    async def _renewals(self) -> None:
-        while True:
-            await asyncio.sleep(self.queue.renew_interval_s)
-            try:
-                leases = await self.queue.renew([h.claimed for h in self._held.values()])
-            except REDIS_DOWN as exc:
-                self.queue.outage.failed("renew", exc)
-                continue
-            raise_if_cancelled()
-            for job_id, lease in leases.items():
-                if lease is not Lease.HELD:
-                    await self._lost_lease(job_id, lease)
-
-    async def _cancellations(self) -> None:
-        while True:
-            try:
-                async for job_id in self.queue.cancellations():
-                    held = self._stop(job_id)
-                    if held is not None:
-                        await self.queue.ack(held.claimed)
-            except REDIS_DOWN as exc:
-                self.queue.outage.failed("cancellations", exc)
-                await asyncio.sleep(RETRY_MAX_DELAY_S)
-
-    async def _sweeps(self) -> None:
-        """Recover jobs whose holder died: unstarted ones run again, started ones fail."""
-        while True:
-            await asyncio.sleep(self.queue.lease_ms / 1000 * SWEEP_EVERY_LEASES)
-            try:
-                swept = await self.queue.sweep()
-            except REDIS_DOWN as exc:
-                self.queue.outage.failed("sweep", exc)
-                continue
-            raise_if_cancelled()
-            if swept.failed or swept.requeued:
-                log.warning(
-                    "sweep: %d job(s) of dead holders put back, %d failed",
-                    swept.requeued,
-                    swept.failed,
-                )
-
     async def _hand_back(self) -> None:
         """Stopping: publish what is pending and give back the jobs still held, so they run
         again elsewhere now rather than after the lease (one that had answered in part fails).
@@ -429,11 +353,11 @@ class RedisPuller:
         for job_id in list(self._held):
             held = self._stop(job_id)
             if held is not None:
-                self._outbox.append(GiveBack(held.claimed, f"worker {self.worker_id} stopped"))
-        batch, self._outbox = self._outbox, []
+                self.loops.send(GiveBack(held.claimed, f"worker {self.worker_id} stopped"))
+        batch = self.loops.take_pending()
         if not batch:
             return
         with contextlib.suppress(*REDIS_DOWN, TimeoutError):
             async with asyncio.timeout(STOP_TIMEOUT_S):
-                await self._publish(batch)
+                await self.loops.publish(batch)
                 log.info("pull worker %s: handed back %d event(s)", self.worker_id, len(batch))

@@ -107,6 +107,9 @@ def test_split_over_three_workers_answers_as_one_machine(
     listening = [c.laddr for p in stages for c in p.net_connections() if c.status == "LISTEN"]
     assert listening and all(addr.ip == "127.0.0.1" for addr in listening), listening
 
+    metrics = httpx.get(router.url + "/metrics", headers=router.headers).text
+    assert 'shoal_deployment_shards{deployment="smol-split",state="ready"} 3.0' in metrics
+
     models = httpx.get(router.url + "/v1/models", headers=router.headers).json()["data"]
     assert "smol-split" in [m["id"] for m in models]
     for prompt in PROMPTS:

@@ -95,7 +95,7 @@ def build_app(settings: RouterSettings, store: KeyStore | None = None) -> infere
         docs_url=None,
         redoc_url=None,
     )
-    metrics = Metrics(lambda: snapshot(registry, dispatcher))
+    metrics = Metrics(lambda: snapshot(registry, dispatcher, ctx.deployments))
     dispatcher = build_dispatcher(settings, registry, metrics)
     shared = redis_client(settings)
     ctx = RouterContext(

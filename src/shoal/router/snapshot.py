@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from shoal.router.deployments import Deployments
 from shoal.router.dispatch import Dispatcher
 from shoal.router.metrics import Snapshot
 from shoal.router.workers import Registry
 
 
-def snapshot(registry: Registry, dispatcher: Dispatcher) -> Snapshot:
+def snapshot(
+    registry: Registry, dispatcher: Dispatcher, deployments: Deployments | None = None
+) -> Snapshot:
     workers = Counter(w.backend_state.value for w in registry)
     free: dict[str, int] = defaultdict(int)
     for w in registry:
@@ -22,4 +25,8 @@ def snapshot(registry: Registry, dispatcher: Dispatcher) -> Snapshot:
     depth: dict[str, int] = dict.fromkeys(served, 0)
     for model, waiting in dispatcher.queue_depths().items():
         depth[model] = waiting
-    return Snapshot(queue_depth=depth, workers=dict(workers), ready_slots=dict(free))
+    shards = {
+        d.name: dict(Counter(s.state.value for s in d.shards))
+        for d in (deployments.items.values() if deployments else ())
+    }
+    return Snapshot(queue_depth=depth, workers=dict(workers), ready_slots=dict(free), shards=shards)

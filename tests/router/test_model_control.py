@@ -1,0 +1,78 @@
+"""POST /api/v1/models/load|unload against an in-process router app: real registry and worker
+connections without sockets (the order sent is read from the worker's outbox)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from shoal.protocol.ids import ModelName, WorkerId
+from shoal.protocol.messages import (
+    PROTOCOL_VERSION,
+    BackendState,
+    Endpoint,
+    Hardware,
+    ModelControl,
+    ModelInfo,
+    Register,
+    decode_router_message,
+)
+from shoal.router.app import build_app
+from shoal.router.settings import RouterSettings
+from shoal.router.workers import ConnState, WorkerConnection
+
+HW = Hardware(hostname="h", os="linux", cpu_count=2, ram_total_bytes=1, ram_available_bytes=1)
+TEXT = ModelInfo(name=ModelName("smol"), endpoints=(Endpoint.CHAT,))
+IMAGE = ModelInfo(
+    name=ModelName("tiny-sd"),
+    endpoints=(Endpoint.IMAGE_GENERATIONS,),
+    backend="diffusers",
+    state=BackendState.UNLOADED,
+)
+
+
+async def test_load_and_unload_reach_the_workers_of_image_models(tmp_path: Path) -> None:
+    app = build_app(RouterSettings(database_url=f"sqlite:///{tmp_path}/keys.db"))
+    worker = WorkerConnection.from_register(
+        Register(
+            protocol_version=PROTOCOL_VERSION,
+            worker_id=WorkerId("w1"),
+            name="box",
+            hardware=HW,
+            models=(TEXT, IMAGE),
+            slots=1,
+            state=BackendState.READY,
+        ),
+        peer="test",
+    )
+    worker.move(ConnState.ACTIVE, "test")
+    app.ctx.dispatcher.on_registered(worker)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://r"
+    ) as client:
+        try:
+            r = await client.post("/api/v1/models/load", json={"model": "tiny-sd"})
+            assert r.status_code == 202, r.text
+            assert r.json()["workers"] == [
+                {"worker": "w1", "worker_name": "box", "was": "unloaded"}
+            ]
+            sent = decode_router_message(worker.outbox.get_nowait())
+            assert sent == ModelControl(model=ModelName("tiny-sd"), action="load")
+            r = await client.post(
+                "/api/v1/models/unload", json={"model": "tiny-sd", "worker": "box"}
+            )
+            assert r.status_code == 202
+            unload = decode_router_message(worker.outbox.get_nowait())
+            assert isinstance(unload, ModelControl) and unload.action == "unload"
+            r = await client.post("/api/v1/models/load", json={"model": "smol"})
+            assert r.status_code == 400 and "only models that load" in r.json()["error"]["message"]
+            r = await client.post("/api/v1/models/load", json={"model": "tiny-sd", "worker": "x"})
+            assert r.status_code == 404
+            models = (await client.get("/v1/models")).json()["data"]
+            assert {m["id"]: m["state"] for m in models} == {"smol": "ready", "tiny-sd": "unloaded"}
+            assert worker.outbox.empty()
+        finally:
+            await app.ctx.accounting.limiter.close()
+            if app.ctx.store is not None:
+                app.ctx.store.close()

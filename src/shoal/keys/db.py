@@ -17,6 +17,7 @@ failing with "database is locked" when one upgrades a read lock.
 from __future__ import annotations
 
 import sqlite3
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from shoal.paths import default_data_dir
 DEFAULT_FILE = "shoal.db"
 SQLITE_BUSY_MS = 30_000
 PG_CONNECT_TIMEOUT_S = 10
+WAL_RETRY_S = 0.02
 WRITE_OPTION = "shoal_write"  # execution option: this transaction will write
 
 URL_HINT = (
@@ -120,9 +122,26 @@ def _sqlite_engine(db: Database) -> Engine:
 def tune_sqlite(conn: sqlite3.Connection) -> None:
     """WAL, a busy timeout, foreign keys: for every connection to Shoal's SQLite file."""
     conn.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_MS}")
-    conn.execute("PRAGMA journal_mode = WAL")
+    _use_wal(conn)
     conn.execute("PRAGMA synchronous = NORMAL")
     conn.execute("PRAGMA foreign_keys = ON")
+
+
+def _use_wal(conn: sqlite3.Connection) -> None:
+    """Switch the file to WAL (it stays so). Switching needs the file to itself, and SQLite
+    answers "database is locked" at once, without its busy handler, while another connection
+    (a second process starting at the same moment) holds it: retry until the busy timeout."""
+    if conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal":
+        return
+    deadline = time.monotonic() + SQLITE_BUSY_MS / 1000
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(WAL_RETRY_S)
 
 
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:

@@ -17,15 +17,13 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from socketless import worker_connection
 
-from shoal.protocol.ids import ModelName, WorkerId
+from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import (
-    PROTOCOL_VERSION,
     BackendState,
     Endpoint,
-    Hardware,
     ModelInfo,
-    Register,
 )
 from shoal.router.app import build_app
 from shoal.router.dispatch import Dispatcher
@@ -33,28 +31,15 @@ from shoal.router.jobs import Job
 from shoal.router.redis_dispatch import RedisDispatcher
 from shoal.router.routes.inference import FastPath
 from shoal.router.settings import RouterSettings
-from shoal.router.workers import ConnState, WorkerConnection
+from shoal.router.workers import WorkerConnection
 
 M = ModelName("smol")
-HW = Hardware(hostname="h", os="linux", cpu_count=2, ram_total_bytes=1, ram_available_bytes=1)
 WAIT_S = 5.0
 HEARTBEAT_S = 0.2
 
 
 def connect(dispatcher: Dispatcher, name: str, slots: int = 1) -> WorkerConnection:
-    worker = WorkerConnection.from_register(
-        Register(
-            protocol_version=PROTOCOL_VERSION,
-            worker_id=WorkerId(name),
-            name=name,
-            hardware=HW,
-            models=(ModelInfo(name=M, endpoints=(Endpoint.CHAT,)),),
-            slots=slots,
-            state=BackendState.READY,
-        ),
-        peer="test",
-    )
-    worker.move(ConnState.ACTIVE, "test")
+    worker = worker_connection(name, [ModelInfo(name=M, endpoints=(Endpoint.CHAT,))], slots=slots)
     dispatcher.on_registered(worker)
     return worker
 

@@ -6,15 +6,12 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from socketless import worker_connection
+
 from shoal.controller.deployment import DeploymentSpec, DeploymentState
 from shoal.controller.placement import Strategy
-from shoal.protocol.ids import WorkerId
 from shoal.protocol.messages import (
-    PROTOCOL_VERSION,
-    BackendState,
-    Hardware,
     Message,
-    Register,
     RpcPeer,
     ShardRole,
     ShardStart,
@@ -24,7 +21,7 @@ from shoal.protocol.messages import (
     decode_router_message,
 )
 from shoal.router.deployments import Deployments
-from shoal.router.workers import ConnState, Registry, WorkerConnection
+from shoal.router.workers import Registry, WorkerConnection
 
 GIB = 2**30
 
@@ -45,22 +42,7 @@ class FakeTunnels:
 
 
 def connect(registry: Registry, name: str, ram: int = 8 * GIB) -> WorkerConnection:
-    hw = Hardware(
-        hostname=name, os="linux", cpu_count=2, ram_total_bytes=ram, ram_available_bytes=ram
-    )
-    worker = WorkerConnection.from_register(
-        Register(
-            protocol_version=PROTOCOL_VERSION,
-            worker_id=WorkerId(name),
-            name=name,
-            hardware=hw,
-            models=(),
-            slots=1,
-            state=BackendState.READY,
-        ),
-        peer="test",
-    )
-    worker.move(ConnState.ACTIVE, "test")
+    worker = worker_connection(name, ram_bytes=ram)
     registry.add(worker)
     return worker
 

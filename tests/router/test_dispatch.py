@@ -2,42 +2,27 @@
 
 from __future__ import annotations
 
-from shoal.protocol.ids import JobId, ModelName, WorkerId
+from socketless import worker_connection
+
+from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import (
-    PROTOCOL_VERSION,
-    BackendState,
     Endpoint,
-    Hardware,
     JobCancel,
     JobStart,
     ModelInfo,
-    Register,
     RunningJob,
     decode_router_message,
 )
 from shoal.router.dispatch import Dispatcher
 from shoal.router.jobs import JobState
 from shoal.router.settings import RouterSettings
-from shoal.router.workers import ConnState, Registry, WorkerConnection
+from shoal.router.workers import Registry, WorkerConnection
 
 M = ModelName("smol")
-HW = Hardware(hostname="h", os="linux", cpu_count=2, ram_total_bytes=1, ram_available_bytes=1)
 
 
 def connect(dispatcher: Dispatcher, name: str, endpoints: tuple[Endpoint, ...]) -> WorkerConnection:
-    worker = WorkerConnection.from_register(
-        Register(
-            protocol_version=PROTOCOL_VERSION,
-            worker_id=WorkerId(name),
-            name=name,
-            hardware=HW,
-            models=(ModelInfo(name=M, endpoints=endpoints),),
-            slots=1,
-            state=BackendState.READY,
-        ),
-        peer="test",
-    )
-    worker.move(ConnState.ACTIVE, "test")
+    worker = worker_connection(name, [ModelInfo(name=M, endpoints=endpoints)])
     dispatcher.on_registered(worker)
     return worker
 
@@ -80,18 +65,6 @@ def test_lost_worker_requeues_unstarted_jobs_at_the_head() -> None:
 def test_jobs_a_worker_still_runs_from_a_lost_connection_are_cancelled() -> None:
     """The in-process queue ended them when the connection dropped: nothing to resume."""
     dispatcher = Dispatcher(RouterSettings(), Registry())
-    worker = WorkerConnection.from_register(
-        Register(
-            protocol_version=PROTOCOL_VERSION,
-            worker_id=WorkerId("w"),
-            name="w",
-            hardware=HW,
-            models=(ModelInfo(name=M, endpoints=(Endpoint.CHAT,)),),
-            slots=1,
-            state=BackendState.READY,
-        ),
-        peer="test",
-    )
-    worker.move(ConnState.ACTIVE, "test")
+    worker = worker_connection("w", [ModelInfo(name=M, endpoints=(Endpoint.CHAT,))])
     dispatcher.on_registered(worker, (RunningJob(job_id=JobId("j1"), attempt=1),))
     assert decode_router_message(worker.outbox.get_nowait()) == JobCancel(job_id=JobId("j1"))

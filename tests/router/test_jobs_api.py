@@ -20,21 +20,18 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 from fastapi import FastAPI
+from socketless import worker_connection
 from starlette.datastructures import Headers
 
-from shoal.protocol.ids import ModelName, WorkerId
+from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import (
-    PROTOCOL_VERSION,
-    BackendState,
     Endpoint,
     ErrorBody,
-    Hardware,
     JobCancel,
     JobFailed,
     JobResult,
     JobStart,
     ModelInfo,
-    Register,
     decode_router_message,
 )
 from shoal.router import errors
@@ -64,7 +61,7 @@ from shoal.router.jobs import IllegalTransition
 from shoal.router.requests import RequestLimits
 from shoal.router.routes import jobs as jobs_routes
 from shoal.router.settings import RouterSettings
-from shoal.router.workers import ConnState, Registry, WorkerConnection
+from shoal.router.workers import Registry, WorkerConnection
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 KEYS = {"key-a": "a", "key-b": "b"}
@@ -573,23 +570,12 @@ async def test_submit_needs_the_service_running() -> None:
 # ---------------------------------------------------------------- the dispatcher runner
 
 M = ModelName("smol")
-HW = Hardware(hostname="h", os="linux", cpu_count=2, ram_total_bytes=1, ram_available_bytes=1)
 
 
 def connect(dispatcher: Dispatcher) -> WorkerConnection:
-    worker = WorkerConnection.from_register(
-        Register(
-            protocol_version=PROTOCOL_VERSION,
-            worker_id=WorkerId("w1"),
-            name="w1",
-            hardware=HW,
-            models=(ModelInfo(name=M, endpoints=(Endpoint.CHAT, Endpoint.EMBEDDINGS)),),
-            slots=1,
-            state=BackendState.READY,
-        ),
-        peer="test",
+    worker = worker_connection(
+        "w1", [ModelInfo(name=M, endpoints=(Endpoint.CHAT, Endpoint.EMBEDDINGS))]
     )
-    worker.move(ConnState.ACTIVE, "test")
     dispatcher.on_registered(worker)
     return worker
 

@@ -6,23 +6,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+from socketless import worker_connection
 
-from shoal.protocol.ids import ModelName, WorkerId
+from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import (
-    PROTOCOL_VERSION,
     BackendState,
     Endpoint,
-    Hardware,
     ModelControl,
     ModelInfo,
-    Register,
     decode_router_message,
 )
 from shoal.router.app import build_app
 from shoal.router.settings import RouterSettings
-from shoal.router.workers import ConnState, WorkerConnection
 
-HW = Hardware(hostname="h", os="linux", cpu_count=2, ram_total_bytes=1, ram_available_bytes=1)
 TEXT = ModelInfo(name=ModelName("smol"), endpoints=(Endpoint.CHAT,))
 IMAGE = ModelInfo(
     name=ModelName("tiny-sd"),
@@ -34,19 +30,7 @@ IMAGE = ModelInfo(
 
 async def test_load_and_unload_reach_the_workers_of_image_models(tmp_path: Path) -> None:
     app = build_app(RouterSettings(database_url=f"sqlite:///{tmp_path}/keys.db"))
-    worker = WorkerConnection.from_register(
-        Register(
-            protocol_version=PROTOCOL_VERSION,
-            worker_id=WorkerId("w1"),
-            name="box",
-            hardware=HW,
-            models=(TEXT, IMAGE),
-            slots=1,
-            state=BackendState.READY,
-        ),
-        peer="test",
-    )
-    worker.move(ConnState.ACTIVE, "test")
+    worker = worker_connection("box", [TEXT, IMAGE], worker_id="w1")
     app.ctx.dispatcher.on_registered(worker)
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://r"

@@ -12,14 +12,12 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from socketless import worker_connection
 
-from shoal.protocol.ids import JobId, ModelName, WorkerId
+from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import (
-    PROTOCOL_VERSION,
-    BackendState,
     Endpoint,
     ErrorBody,
-    Hardware,
     JobCancel,
     JobDone,
     JobFailed,
@@ -28,7 +26,6 @@ from shoal.protocol.messages import (
     JobStart,
     Message,
     ModelInfo,
-    Register,
     RunningJob,
     decode_router_message,
 )
@@ -39,7 +36,6 @@ from shoal.router.settings import RouterSettings
 from shoal.router.workers import ConnState, Registry, WorkerConnection
 
 M = ModelName("smol")
-HW = Hardware(hostname="h", os="linux", cpu_count=2, ram_total_bytes=1, ram_available_bytes=1)
 WAIT_S = 5.0
 
 Factory = Callable[..., Awaitable[RedisDispatcher]]
@@ -78,19 +74,7 @@ async def make() -> AsyncIterator[Factory]:
 def connect(
     dispatcher: RedisDispatcher, name: str, slots: int = 1, held: tuple[RunningJob, ...] = ()
 ) -> WorkerConnection:
-    worker = WorkerConnection.from_register(
-        Register(
-            protocol_version=PROTOCOL_VERSION,
-            worker_id=WorkerId(name),
-            name=name,
-            hardware=HW,
-            models=(ModelInfo(name=M, endpoints=(Endpoint.CHAT,)),),
-            slots=slots,
-            state=BackendState.READY,
-        ),
-        peer="test",
-    )
-    worker.move(ConnState.ACTIVE, "test")
+    worker = worker_connection(name, [ModelInfo(name=M, endpoints=(Endpoint.CHAT,))], slots=slots)
     dispatcher.on_registered(worker, held)
     return worker
 

@@ -1,13 +1,16 @@
 """A model split over two ggml-rpc-servers: one machine vs direct RPC vs RPC through the tunnel.
 
-Three llama-servers, all up at once, asked in interleaved rounds (one request each per round):
+Five llama-servers, all up at once, asked in interleaved rounds (one request each per round):
 
-  single    llama-server alone (its default threads: all cores)
-  single-t1 llama-server alone with -t 1 (on a busy 2-core machine, -t 2 stalls whenever
-            another process holds a core, so this is the steadier one-machine figure)
-  direct    llama-server --rpc A,B -ngl 99 -ts 1,1, with A and B two `ggml-rpc-server -t 1`
-  relayed   the same split over another pair of ggml-rpc-servers (one serves one client at a
-            time), each --rpc entry a HeadEndpoint -> TunnelHub -> StageConnector path
+  single        llama-server alone (its default threads: all cores)
+  single-t1     llama-server alone with -t 1
+  direct-stock  llama-server --rpc A,B -ngl 99 -ts 1,1 over two `ggml-rpc-server -t 1` with
+                llama.cpp's defaults (what ggml-rpc-server picks on 2 cores; what Shoal ran
+                before it set the stage threads and the OpenMP spin)
+  direct        the same split run as Shoal runs it: stages with `-t` one per physical core,
+                every process with Shoal's split environment (``llama_cpp.threads``)
+  relayed       `direct` over another pair of ggml-rpc-servers (one serves one client at a
+                time), each --rpc entry a HeadEndpoint -> TunnelHub -> StageConnector path
 
 The relayed parts run as Shoal would run them (under uvloop): the hub in its own process (the
 router's place), the head endpoints in a "head worker" process and both stage connectors in a "stage
@@ -19,7 +22,8 @@ llama-server's own ``timings.predicted_per_second``. Medians over the rounds.
 
     python benchmarks/rpc_split.py --rounds 7 --tokens 128
 
-Targets: direct >= 0.75x single; relayed >= 0.9x direct.
+Targets: direct >= 0.75x single; relayed >= 0.9x direct. Every part runs on this one machine,
+so the split's processes share its cores, as a head and its stages never do across machines.
 """
 
 from __future__ import annotations
@@ -42,14 +46,16 @@ from common import Processes, free_port, median, print_table, processes, wait_ht
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from shoal.hardware.detect import detect_machine  # noqa: E402
 from shoal.llama_cpp.binaries import rpc_server_beside  # noqa: E402
 from shoal.llama_cpp.locate import resolve  # noqa: E402
+from shoal.llama_cpp.threads import split_env, stage_threads  # noqa: E402
 from shoal.models.default import DEFAULT_MODEL  # noqa: E402
 from shoal.models.resolve import resolve_model  # noqa: E402
 from shoal.settings import CommonSettings  # noqa: E402
 
 PROMPT = "Tell me a long story about a lighthouse keeper and the sea."
-CONFIGS = ("single", "single-t1", "direct", "relayed")
+CONFIGS = ("single", "single-t1", "direct-stock", "direct", "relayed")
 CONFIG_KEYS = ("rounds", "tokens", "rpc_threads", "tensor_split", "head_threads")
 
 
@@ -207,7 +213,9 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--rpc-threads", type=int, default=1, help="ggml-rpc-server -t")
+    parser.add_argument(
+        "--rpc-threads", type=int, help="ggml-rpc-server -t for direct/relayed (default: Shoal's)"
+    )
     parser.add_argument("--tensor-split", default="1,1")
     parser.add_argument(
         "--head-threads", type=int, help="llama-server -t for the split heads (default: its own)"
@@ -229,14 +237,18 @@ def bench(args: argparse.Namespace) -> None:
     rpc_binary = rpc_server_beside(binary)
     assert rpc_binary is not None, "ggml-rpc-server is not beside llama-server"
     model = resolve_model(DEFAULT_MODEL.id, cache, download=False).path
+    args.rpc_threads = args.rpc_threads or stage_threads(None, detect_machine().cpu)
+    shoal_env = {**os.environ, **split_env(os.environ)}
     with processes(Path("/tmp/shoal-bench-rpc-split")) as procs:
-        rpc_ports = [free_port() for _ in range(4)]
+        rpc_ports = [free_port() for _ in range(6)]
         for n, port in enumerate(rpc_ports):
-            argv = [str(rpc_binary), "-p", str(port), "-t", str(args.rpc_threads)]
-            procs.start(f"rpc{n}", argv)
+            stock = n < 2
+            threads = 1 if stock else args.rpc_threads
+            argv = [str(rpc_binary), "-p", str(port), "-t", str(threads)]
+            procs.start(f"rpc{n}", argv, None if stock else shoal_env)
         for port in rpc_ports:
             wait_port(port)
-        relayed = start_relay(procs, rpc_ports[2:])
+        relayed = start_relay(procs, rpc_ports[4:])
         split: tuple[str, ...] = ("-ngl", "99", "-ts", args.tensor_split)
         if args.head_threads:
             split += ("-t", str(args.head_threads))
@@ -244,11 +256,13 @@ def bench(args: argparse.Namespace) -> None:
         rpc = {
             "single": (),
             "single-t1": ("-t", "1"),
-            "direct": ("--rpc", ",".join(f"127.0.0.1:{p}" for p in rpc_ports[:2]), *split),
+            "direct-stock": ("--rpc", ",".join(f"127.0.0.1:{p}" for p in rpc_ports[:2]), *split),
+            "direct": ("--rpc", ",".join(f"127.0.0.1:{p}" for p in rpc_ports[2:4]), *split),
             "relayed": ("--rpc", relayed, *split),
         }
         for name in CONFIGS:
-            procs.start(name, llama_argv(binary, model, ports[name], *rpc[name]))
+            env = shoal_env if name in ("direct", "relayed") else None
+            procs.start(name, llama_argv(binary, model, ports[name], *rpc[name]), env)
         for name in CONFIGS:
             wait_http(f"http://127.0.0.1:{ports[name]}/health")
         results = measure(args, lambda name: generate(ports[name], args.tokens))
@@ -288,7 +302,8 @@ def report(args: argparse.Namespace, results: dict[str, list[float]]) -> None:
         "direct/single": ("direct", "single"),
         "relayed/direct": ("relayed", "direct"),
         "relayed/single": ("relayed", "single"),
-        "direct/single-t1": ("direct", "single-t1"),
+        "direct/direct-stock": ("direct", "direct-stock"),
+        "direct-stock/single": ("direct-stock", "single"),
     }
     ratios = {k: med[a] / med[b] for k, (a, b) in pairs.items()}
     # the same ratio within each round, then the median: drifts in machine load cancel out
@@ -310,7 +325,8 @@ def report(args: argparse.Namespace, results: dict[str, list[float]]) -> None:
     write_json(
         "rpc_split",
         {
-            "config": {k: vars(args)[k] for k in CONFIG_KEYS},
+            "config": {k: vars(args)[k] for k in CONFIG_KEYS}
+            | {"split_env": split_env(os.environ)},
             "load_average_after": os.getloadavg(),
             "tokens_per_second": results,
             "medians": med,

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from cluster import MODEL, Cluster, Router, wait_until
+from shoal.llama_cpp.threads import SPLIT_SPINCOUNT
 
 pytestmark = pytest.mark.e2e
 
@@ -106,6 +107,16 @@ def test_split_over_three_workers_answers_as_one_machine(
     assert len(stages) == 2
     listening = [c.laddr for p in stages for c in p.net_connections() if c.status == "LISTEN"]
     assert listening and all(addr.ip == "127.0.0.1" for addr in listening), listening
+    # Stages take the worker's --threads (1 for the workers here), and every process of the
+    # split spins only briefly when it waits (llama_cpp.threads: what makes the split fast
+    # when its processes share cores).
+    heads = [p for p in psutil.Process(three.pids[0]).children(recursive=True) if is_head(p)]
+    assert len(heads) == 1
+    for p in stages:
+        argv = p.cmdline()
+        assert argv[argv.index("-t") + 1] == "1", argv
+    for p in [*stages, *heads]:
+        assert p.environ().get("GOMP_SPINCOUNT") == str(SPLIT_SPINCOUNT), p.cmdline()
 
     metrics = httpx.get(router.url + "/metrics", headers=router.headers).text
     assert 'shoal_deployment_shards{deployment="smol-split",state="ready"} 3.0' in metrics
@@ -114,6 +125,10 @@ def test_split_over_three_workers_answers_as_one_machine(
     assert "smol-split" in [m["id"] for m in models]
     for prompt in PROMPTS:
         assert ask(router, "smol-split", prompt) == ask(router, MODEL, prompt), prompt
+
+
+def is_head(p: psutil.Process) -> bool:
+    return p.name() == "llama-server" and "--rpc" in p.cmdline()
 
 
 def rpc_servers(worker_pid: int) -> list[psutil.Process]:

@@ -27,6 +27,7 @@ from shoal.hardware.detect import parse_gpu_devices
 from shoal.hardware.profile import MachineProfile
 from shoal.llama_cpp.errors import LlamaCppError
 from shoal.llama_cpp.options import binaries as llama_cpp_binaries
+from shoal.llama_cpp.threads import split_env, stage_threads
 from shoal.llama_cpp.version import server_version
 from shoal.models.default import DEFAULT_MODEL
 from shoal.models.hub import HubConfig
@@ -406,6 +407,8 @@ def _shard_tools(settings: WorkerSettings, serving: _Serving) -> ShardTools:
         build=server_version(found.llama_server),
         logs=logs_dir(settings.cache_dir),
         threads=settings.threads,
+        stage_threads=stage_threads(settings.threads, serving.machine.cpu),
+        env=tuple(split_env(os.environ).items()),
         rpc_host=settings.rpc_host,
         resolve=resolve,
     )

@@ -160,7 +160,12 @@ class WorkerSettings(LlamaCppOptions):
     ctx_size: int = Field(
         4096, ge=256, description="Context length per slot (llama-server gets ctx-size x slots)."
     )
-    threads: int | None = Field(None, ge=1, description="CPU threads for llama-server.")
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="CPU threads for llama-server and for split-model stages (default: "
+        "llama.cpp's choice for llama-server, one per physical core for stages).",
+    )
     embedding: bool = Field(
         False, description="Serve embeddings (/v1/embeddings) instead of completions."
     )

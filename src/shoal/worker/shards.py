@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -61,6 +62,11 @@ class ShardTools:
     build: str
     logs: Path
     threads: int | None
+    """``llama-server --threads`` for heads (None: llama.cpp's own choice)."""
+    stage_threads: int
+    """``ggml-rpc-server -t`` (``llama_cpp.threads.stage_threads``)."""
+    env: tuple[tuple[str, str], ...]
+    """Added to every shard process's environment (``llama_cpp.threads.split_env``)."""
     rpc_host: str | None
     """Direct mode: the address stages listen on (None: this worker refuses direct mode)."""
     resolve: Callable[[str], Path]
@@ -198,13 +204,17 @@ class ShardHost:
             host = self.tools.rpc_host
         port = free_port(host)
         argv = [str(self.tools.rpc_server), "-H", host, "-p", str(port)]
-        argv += ["-t", str(self.tools.threads or 1)]
+        argv += ["-t", str(self.tools.stage_threads)]
         log_file = self.tools.logs / f"ggml-rpc-server-{_safe(spec.deployment)}.log"
         log_file.parent.mkdir(parents=True, exist_ok=True)
         log.info("deployment %s: starting %s", spec.deployment, " ".join(argv))
         with log_file.open("ab") as logf:
             proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=logf,
+                stderr=logf,
+                env={**os.environ, **dict(self.tools.env)},
             )
             try:
                 await _wait_listening(host, port, proc)
@@ -238,6 +248,7 @@ class ShardHost:
                 threads=self.tools.threads,
                 max_restarts=0,  # a stage died: the whole split is redeployed, not the head
                 device_args=_rpc_args(rpc, spec),
+                env=self.tools.env,
             )
             log_file.parent.mkdir(parents=True, exist_ok=True)
             offset = log_file.stat().st_size if log_file.exists() else 0

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shoal.controller.launch import head_launch, placed_layers
+from shoal.controller.launch import head_launch, placed_layers, share
 from shoal.controller.placement import Plan, Shard, Strategy
 
 
@@ -52,6 +52,39 @@ def test_every_layer_lands_where_the_plan_says(counts: list[int]) -> None:
         expected += [index] * n
     expected.append(len(counts) - 2)  # the output layer, with the last stage
     assert devices == expected
+
+
+@given(
+    st.lists(st.integers(1, 60), min_size=2, max_size=5),
+    st.lists(st.lists(st.integers(0, 80 * 2**30), max_size=4), min_size=4, max_size=4),
+)
+def test_a_stage_with_several_gpus_spreads_its_layers_and_keeps_its_range(
+    counts: list[int], free: list[list[int]]
+) -> None:
+    stage_devices = free[: len(counts) - 1]
+    launch = head_launch(plan_of(counts), stage_devices)
+    owner = []  # RPC device index -> stage
+    for index, devices in enumerate(stage_devices):
+        owner += [index] * max(1, len(devices))
+    assert len(launch.tensor_split) == len(owner)
+    placed = llama_cpp_devices(sum(counts), launch.n_gpu_layers, launch.tensor_split)
+    expected = [-1] * counts[0]
+    for index, n in enumerate(counts[1:]):
+        expected += [index] * n
+    expected.append(len(counts) - 2)
+    assert [-1 if d < 0 else owner[d] for d in placed] == expected
+    for index, devices in enumerate(stage_devices):  # within a stage: by free memory
+        if len(devices) > 1:
+            mine = [d for d, o in enumerate(owner) if o == index]
+            got = [sum(1 for p in placed[:-1] if p == d) for d in mine]
+            assert got == share(counts[index + 1], devices)
+
+
+def test_layers_follow_free_memory_within_a_stage() -> None:
+    assert share(10, [24, 8]) == [8, 2]
+    assert share(7, [1, 1, 1]) == [3, 2, 2]
+    assert share(5, [0, 0]) == [3, 2]
+    assert sum(share(31, [5, 7, 11])) == 31
 
 
 def test_the_default_model_over_three_workers() -> None:

@@ -112,6 +112,8 @@ def test_split_over_three_workers_answers_as_one_machine(
     # when its processes share cores).
     heads = [p for p in psutil.Process(three.pids[0]).children(recursive=True) if is_head(p)]
     assert len(heads) == 1
+    head_argv = heads[0].cmdline()  # only the stages' devices: RPC0 and RPC1
+    assert head_argv[head_argv.index("--device") + 1] == "RPC0,RPC1", head_argv
     for p in stages:
         argv = p.cmdline()
         assert argv[argv.index("-t") + 1] == "1", argv

@@ -20,7 +20,7 @@ from shoal.protocol.messages import (
     ShardStop,
     decode_router_message,
 )
-from shoal.router.deployments import Deployments
+from shoal.router.deployments import Deployments, split_nodes
 from shoal.router.workers import Registry, WorkerConnection
 
 GIB = 2**30
@@ -88,6 +88,42 @@ async def test_stages_first_then_the_head_with_the_plans_numbers(model_path: Pat
     assert [p.tunnel_id for p in head.peers] == ["t-b", "t-c"]
     controller.on_shard(a, status(a, ShardRole.HEAD, ShardState.READY))
     assert d.state is DeploymentState.SERVING and controller.unavailable("split") is None
+
+
+async def test_a_stage_with_two_gpus_gets_its_layers_spread_over_both(model_path: Path) -> None:
+    registry = Registry()
+    a, b, c = (connect(registry, n) for n in "abc")
+    controller = await deployed(model_path, registry)
+    sent(b), sent(c)
+    two_gpus = ShardStatus(
+        deployment="split",
+        role=ShardRole.STAGE,
+        state=ShardState.READY,
+        build="b1",
+        devices=(24 * GIB, 8 * GIB),
+    )
+    controller.on_shard(b, two_gpus)
+    controller.on_shard(c, status(c, ShardRole.STAGE, ShardState.READY))
+    [head] = sent(a)
+    assert isinstance(head, ShardStart)
+    # b's 10 layers over its two GPUs by free memory (3:1), then c's 10 + the output layer.
+    assert head.n_gpu_layers == 21 and head.tensor_split == (8.0, 2.0, 11.0)
+    view = controller.status()[0]
+    assert view["shards"][1]["device_free_bytes"] == [24 * GIB, 8 * GIB]
+
+
+def test_stages_offer_their_gpu_memory_and_the_head_its_ram() -> None:
+    head = worker_connection("a", ram_bytes=8 * GIB)
+    head.stage_memory_bytes = 24 * GIB  # a GPU head: its own layers still stay in RAM
+    gpu_stage = worker_connection("b", ram_bytes=8 * GIB)
+    gpu_stage.stage_memory_bytes = 20 * GIB
+    cpu_stage = worker_connection("c", ram_bytes=6 * GIB)
+    nodes = split_nodes([head, gpu_stage, cpu_stage])
+    assert [(n.id, n.free_bytes) for n in nodes] == [
+        ("a", 8 * GIB),
+        ("b", 20 * GIB),
+        ("c", 6 * GIB),
+    ]
 
 
 async def test_a_build_mismatch_is_refused_naming_both_builds(model_path: Path) -> None:

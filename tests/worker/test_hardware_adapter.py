@@ -7,7 +7,15 @@ import re
 import pytest
 
 from shoal.hardware.profile import Accelerator, CpuInfo, GpuDevice, MachineProfile
-from shoal.worker.hardware import HardwareError, device_args, device_environment, to_wire
+from shoal.llama_cpp.devices import ComputeDevice
+from shoal.worker.hardware import (
+    HardwareError,
+    device_args,
+    device_environment,
+    device_names,
+    stage_memory,
+    to_wire,
+)
 
 GIB = 1 << 30
 
@@ -56,3 +64,19 @@ def test_bad_gpu_devices_are_clear(value: str, message: str) -> None:
     with pytest.raises(HardwareError, match=re.escape(message)) as caught:
         device_args(TWO_CUDA, value, "layer")
     assert str(caught.value).count("--gpu-devices") == 1
+
+
+LISTED = (
+    ComputeDevice("CUDA0", "RTX 4090", 24 * GIB, 23 * GIB),
+    ComputeDevice("CUDA1", "RTX 3060", 12 * GIB, 7 * GIB),
+)
+
+
+def test_a_stage_offers_its_gpus_free_memory_or_none_on_the_cpu() -> None:
+    assert stage_memory(TWO_CUDA, None, ()) is None  # a CPU build: the router uses RAM
+    assert stage_memory(TWO_CUDA, None, LISTED) == 32 * GIB  # fresh from the vendor tool
+    assert stage_memory(TWO_CUDA, "1", LISTED[1:]) == 8 * GIB
+    no_tool = MachineProfile("rig", "Linux", TWO_CUDA.cpu, 64 * GIB, 60 * GIB)
+    assert stage_memory(no_tool, None, LISTED) == 30 * GIB  # as llama.cpp listed it
+    assert device_names(TWO_CUDA, "1,0") == ("CUDA1", "CUDA0")
+    assert device_names(TWO_CUDA, None) is None

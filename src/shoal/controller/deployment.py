@@ -89,6 +89,8 @@ class ShardView:
     detail: str = ""
     build: str = ""
     rpc_address: str | None = None
+    devices: tuple[int, ...] = ()
+    """A ready stage: free bytes of each device it serves (``ShardStatus.devices``)."""
     placement: tuple[DevicePlacement, ...] = ()
 
 

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from shoal.protocol.ids import JobId, ModelName, WorkerId
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped on any incompatible change; a router refuses workers that speak another version."""
 
 WS_PATH = "/ws/worker"
@@ -144,6 +144,9 @@ class Register(Message):
     running: tuple[RunningJob, ...] = ()
     """Jobs started through a router this worker lost mid-answer: the new router adopts each
     (``JobResume``) or cancels it (``JobCancel``); the worker holds their output until then."""
+    stage_memory_bytes: int | None = None
+    """What a split model's stage here may hold: the free VRAM of the GPUs its
+    ``ggml-rpc-server`` computes on (None: it computes on the CPU, in RAM)."""
 
 
 class Heartbeat(Message):
@@ -153,6 +156,8 @@ class Heartbeat(Message):
     ram_available_bytes: int
     gpu_free_bytes: tuple[int | None, ...] = ()
     """Free memory of each GPU in ``Hardware.gpus`` order (None where the tool cannot say)."""
+    stage_memory_bytes: int | None = None
+    """``Register.stage_memory_bytes``, now."""
 
 
 class ModelsChanged(Message):
@@ -250,6 +255,9 @@ class ShardStatus(Message):
     """The llama.cpp build the shard runs: head and stages must run the same one."""
     rpc_address: str | None = None
     """A direct-mode stage: the ``host:port`` its ``ggml-rpc-server`` listens on."""
+    devices: tuple[int, ...] = ()
+    """A ready stage: the free bytes of each device its ``ggml-rpc-server`` serves, in its
+    order (the head splits the stage's layers over them); () for the CPU."""
     placement: tuple[DevicePlacement, ...] = ()
 
 

@@ -182,6 +182,7 @@ class Deployments:
             return
         shard.state, shard.detail, shard.build = msg.state, msg.detail, msg.build
         shard.rpc_address = msg.rpc_address
+        shard.devices = msg.devices
         shard.placement = msg.placement
         odd = _other_builds(d, shard)
         if odd:
@@ -245,7 +246,7 @@ class Deployments:
         if not workers:
             self._pending(d, "waiting for workers")
             return None
-        return [Node(id=w.id, free_bytes=w.ram_available_bytes) for w in workers]
+        return split_nodes(workers)
 
     def _start(self, d: Deployment) -> None:
         planned = self._plan(d)
@@ -298,7 +299,7 @@ class Deployments:
             except RuntimeError as exc:  # the listener is not up (yet), or the stage left
                 self._degrade(d, f"no tunnel to stage {shard.worker_id}: {exc}")
                 return
-        launch = head_launch(d.plan)
+        launch = head_launch(d.plan, [s.devices for s in d.stages])
         start = self._shard_start(d, ShardRole.HEAD).model_copy(
             update={
                 "peers": tuple(peers),
@@ -355,7 +356,7 @@ class Deployments:
 
     def _view(self, d: Deployment) -> dict[str, Any]:
         kv_per_layer = self._kv_per_layer.get(d.name, 0)
-        launch = head_launch(d.plan) if d.plan is not None else None
+        launch = head_launch(d.plan, [s.devices for s in d.stages]) if d.plan else None
         return {
             "name": d.name,
             "model": d.spec.source,
@@ -388,6 +389,7 @@ class Deployments:
             "detail": s.detail,
             "planned_bytes": s.planned_bytes,
             "free_bytes": s.free_bytes,
+            "device_free_bytes": list(s.devices),
             "build": s.build or None,
             "placement": [
                 {"device": p.device, "model_bytes": p.model_bytes, "kv_bytes": p.kv_bytes}
@@ -398,6 +400,22 @@ class Deployments:
                 round(time.monotonic() - worker.last_seen, 3) if worker else None
             ),
         }
+
+
+def split_nodes(workers: list[WorkerConnection]) -> list[Node]:
+    """Planner nodes for ``workers`` in shard order: the first is the head, the rest stages.
+
+    A stage offers what its ``ggml-rpc-server`` computes on: the free VRAM of its GPUs, or
+    its RAM on the CPU. The head offers its RAM even with a GPU: llama.cpp lists RPC devices
+    before local GPUs and offloads the *last* layers, so the head's own (first) layers stay
+    on its CPU.
+    """
+    nodes = []
+    for n, w in enumerate(workers):
+        stage_memory = w.stage_memory_bytes if n > 0 else None
+        free = stage_memory if stage_memory is not None else w.ram_available_bytes
+        nodes.append(Node(id=w.id, free_bytes=free))
+    return nodes
 
 
 def _other_builds(d: Deployment, reported: ShardView) -> str:

@@ -257,9 +257,8 @@ class Dispatcher:
                 self._succeed(worker, job_id, Result(body))
             case JobFailed():
                 self._on_failed(worker, msg)
-            case Heartbeat(state=state, ram_available_bytes=ram, gpu_free_bytes=gpu_free):
-                worker.ram_available_bytes = ram
-                worker.gpu_free_bytes = gpu_free
+            case Heartbeat(state=state):
+                worker.on_heartbeat(msg)
                 self._on_state(worker, state, worker.detail)
             case ModelsChanged(models=models):
                 worker.set_models(models)

@@ -400,9 +400,8 @@ class RedisDispatcher(Dispatcher):
                 self.holder.on_end(worker, job_id, events.Result(body))
             case JobFailed():
                 self.holder.on_failed(worker, msg)
-            case Heartbeat(state=state, ram_available_bytes=ram, gpu_free_bytes=gpu_free):
-                worker.ram_available_bytes = ram
-                worker.gpu_free_bytes = gpu_free
+            case Heartbeat(state=state):
+                worker.on_heartbeat(msg)
                 self._set_state(worker, state, worker.detail)
             case ModelsChanged(models=models):
                 worker.set_models(models)

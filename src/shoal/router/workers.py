@@ -18,6 +18,7 @@ from shoal.protocol.messages import (
     BackendState,
     Endpoint,
     Hardware,
+    Heartbeat,
     Message,
     ModelInfo,
     Register,
@@ -64,6 +65,8 @@ class WorkerConnection:
     connected_at: float = field(default_factory=time.time)
     ram_available_bytes: int = 0
     gpu_free_bytes: tuple[int | None, ...] = ()
+    stage_memory_bytes: int | None = None
+    """What a split model's stage may hold here (``Register.stage_memory_bytes``)."""
     outbox: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
     served: frozenset[tuple[ModelName, Endpoint]] = frozenset()
 
@@ -81,9 +84,16 @@ class WorkerConnection:
             peer=peer,
             ram_available_bytes=msg.hardware.ram_available_bytes,
             gpu_free_bytes=tuple(g.memory_free_bytes for g in msg.hardware.gpus),
+            stage_memory_bytes=msg.stage_memory_bytes,
         )
         conn.set_models(msg.models)
         return conn
+
+    def on_heartbeat(self, msg: Heartbeat) -> None:
+        """The memory figures a heartbeat refreshes (the caller handles its state)."""
+        self.ram_available_bytes = msg.ram_available_bytes
+        self.gpu_free_bytes = msg.gpu_free_bytes
+        self.stage_memory_bytes = msg.stage_memory_bytes
 
     def set_models(self, models: tuple[ModelInfo, ...]) -> None:
         if models != self.models:
@@ -154,6 +164,7 @@ class WorkerConnection:
             "hardware": self.hardware.model_dump(mode="json"),
             "ram_available_bytes": self.ram_available_bytes,
             "gpu_free_bytes": list(self.gpu_free_bytes),
+            "stage_memory_bytes": self.stage_memory_bytes,
             "backend_url": self.backend_url,
             "software": self.software,
             "peer": self.peer,

@@ -9,11 +9,13 @@ import logging
 from shoal.hardware.detect import (
     detect_machine,
     device_env,
+    device_name,
     parse_gpu_devices,
     refresh_free_memory,
     split_args,
 )
 from shoal.hardware.profile import MachineProfile
+from shoal.llama_cpp.devices import ComputeDevice
 from shoal.protocol.messages import GpuInfo, Hardware
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,13 @@ def device_args(
     return split_args(selected(profile, gpu_devices).gpus, split_mode)
 
 
+def device_names(profile: MachineProfile, gpu_devices: str | None) -> tuple[str, ...] | None:
+    """llama.cpp's names for the ``--gpu-devices`` GPUs (None: the flag is not given)."""
+    if gpu_devices is None:
+        return None
+    return tuple(device_name(g) for g in selected(profile, gpu_devices).gpus)
+
+
 def device_environment(profile: MachineProfile, gpu_devices: str | None) -> dict[str, str]:
     """Environment llama-server needs for ``device_args`` names to mean those GPUs."""
     if gpu_devices is None:
@@ -93,11 +102,35 @@ def device_environment(profile: MachineProfile, gpu_devices: str | None) -> dict
     return device_env(selected(profile, gpu_devices).gpus)
 
 
+def stage_memory(
+    profile: MachineProfile, gpu_devices: str | None, listed: tuple[ComputeDevice, ...]
+) -> int | None:
+    """What a split model's stage may hold here: None when it computes on the CPU (llama.cpp
+    lists no device), else the free memory of its GPUs, fresh from the vendor tool when it
+    reports every one of them, else as llama.cpp listed it."""
+    if not listed:
+        return None
+    gpus = selected(profile, gpu_devices).gpus
+    free = [g.usable_bytes for g in gpus if g.memory_free_bytes is not None]
+    if gpus and len(free) == len(gpus) == len(listed):
+        return sum(free)
+    return sum(d.free_bytes for d in listed)
+
+
 class MemoryProbe:
     """Free RAM and per-GPU free memory for heartbeats, read off the event loop."""
 
     def __init__(self, profile: MachineProfile | None) -> None:
         self.profile = profile
+        self.stage_devices: tuple[ComputeDevice, ...] = ()
+        """The devices a stage here computes on (``llama_cpp.devices``); () for the CPU."""
+        self.gpu_devices: str | None = None
+
+    def stage_memory(self) -> int | None:
+        """``stage_memory`` on the latest profile (``Register``/``Heartbeat``)."""
+        if self.profile is None:
+            return sum(d.free_bytes for d in self.stage_devices) or None
+        return stage_memory(self.profile, self.gpu_devices, self.stage_devices)
 
     async def free(self) -> tuple[int, tuple[int | None, ...]]:
         if self.profile is None:

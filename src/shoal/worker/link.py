@@ -290,6 +290,7 @@ class RouterLink:
                     running_jobs=self.runner.running,
                     ram_available_bytes=ram,
                     gpu_free_bytes=gpus,
+                    stage_memory_bytes=self.memory.stage_memory(),
                 )
             )
 

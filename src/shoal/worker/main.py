@@ -25,6 +25,7 @@ import aiohttp
 from shoal import __version__
 from shoal.hardware.detect import parse_gpu_devices
 from shoal.hardware.profile import MachineProfile
+from shoal.llama_cpp.devices import ComputeDevice, list_devices, stage_devices
 from shoal.llama_cpp.errors import LlamaCppError
 from shoal.llama_cpp.options import binaries as llama_cpp_binaries
 from shoal.llama_cpp.threads import split_env, stage_threads
@@ -300,6 +301,7 @@ async def run_worker(
     if machine is None:
         machine = await asyncio.to_thread(hardware.detect_profile)
     serving = _Serving(settings, machine, path_env, on_ready)
+    memory = hardware.MemoryProbe(machine)
 
     def register() -> Register:
         return Register(
@@ -312,6 +314,7 @@ async def run_worker(
             state=serving.state,
             backend_url=(serving.supervisor.url or None) if serving.supervisor else None,
             software=f"shoal {__version__}",
+            stage_memory_bytes=memory.stage_memory(),
         )
 
     if settings.redis_url is not None:
@@ -333,7 +336,7 @@ async def run_worker(
         register,
         runner,
         outbox,
-        memory=hardware.MemoryProbe(machine),
+        memory=memory,
         ssl=client_tls_context(settings.tls_ca),
     )
     serving.links.append(link)
@@ -381,9 +384,15 @@ async def _shard_host(
         return None
     try:
         tools = await asyncio.to_thread(_shard_tools, settings, serving)
-    except LlamaCppError as exc:
+        listed = await asyncio.to_thread(tools.devices)
+    except (LlamaCppError, hardware.HardwareError) as exc:
         log.warning("this worker cannot take part in split models: %s", exc)
         return None
+    link.memory.stage_devices, link.memory.gpu_devices = listed, settings.gpu_devices
+    log.info(
+        "split-model stages here compute on %s",
+        ", ".join(f"{d.name} ({d.description})" for d in listed) or "the CPU",
+    )
     tls = client_tls_context(settings.tls_ca) if link.url.startswith("wss:") else None
     tunnels = TunnelEnds(lambda: urlsplit(link.url).hostname or "127.0.0.1", tls)
     host = ShardHost(
@@ -401,6 +410,13 @@ def _shard_tools(settings: WorkerSettings, serving: _Serving) -> ShardTools:
     def resolve(source: str) -> Path:
         return _local_model(own, source, serving.machine).path
 
+    names = hardware.device_names(serving.machine, settings.gpu_devices)
+
+    def devices() -> tuple[ComputeDevice, ...]:
+        return stage_devices(list_devices(found.llama_server), names)
+
+    env = split_env(os.environ) | hardware.device_environment(serving.machine, settings.gpu_devices)
+
     return ShardTools(
         llama_server=found.llama_server,
         rpc_server=found.rpc_server,
@@ -408,9 +424,10 @@ def _shard_tools(settings: WorkerSettings, serving: _Serving) -> ShardTools:
         logs=logs_dir(settings.cache_dir),
         threads=settings.threads,
         stage_threads=stage_threads(settings.threads, serving.machine.cpu),
-        env=tuple(split_env(os.environ).items()),
+        env=tuple(env.items()),
         rpc_host=settings.rpc_host,
         resolve=resolve,
+        devices=devices,
     )
 
 

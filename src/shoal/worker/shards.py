@@ -28,6 +28,7 @@ from pathlib import Path
 
 import aiohttp
 
+from shoal.llama_cpp.devices import ComputeDevice
 from shoal.llama_cpp.load_log import placement
 from shoal.protocol.messages import (
     BackendState,
@@ -71,6 +72,9 @@ class ShardTools:
     """Direct mode: the address stages listen on (None: this worker refuses direct mode)."""
     resolve: Callable[[str], Path]
     """A model source (catalog id, model-store id, path) -> the GGUF on this machine. Blocking."""
+    devices: Callable[[], tuple[ComputeDevice, ...]]
+    """The devices a stage computes on, listed now (``llama_cpp.devices``; () for the CPU).
+    Blocking."""
 
 
 @dataclass(eq=False)
@@ -78,6 +82,8 @@ class _Shard:
     spec: ShardStart
     task: asyncio.Task[None] | None = None
     rpc_port: int | None = None
+    devices: tuple[int, ...] = ()
+    """A stage: the free bytes of each device its ggml-rpc-server serves (() for the CPU)."""
     placement: tuple[DevicePlacement, ...] = ()
     state: ShardState = ShardState.STARTING
     changed_at: float = field(default_factory=time.monotonic)
@@ -205,6 +211,10 @@ class ShardHost:
         port = free_port(host)
         argv = [str(self.tools.rpc_server), "-H", host, "-p", str(port)]
         argv += ["-t", str(self.tools.stage_threads)]
+        devices = await asyncio.to_thread(self.tools.devices)
+        if devices:
+            argv += ["-d", ",".join(d.name for d in devices)]
+        shard.devices = tuple(d.free_bytes for d in devices)
         log_file = self.tools.logs / f"ggml-rpc-server-{_safe(spec.deployment)}.log"
         log_file.parent.mkdir(parents=True, exist_ok=True)
         log.info("deployment %s: starting %s", spec.deployment, " ".join(argv))
@@ -308,6 +318,7 @@ class ShardHost:
             detail=detail,
             build=self.tools.build,
             rpc_address=address,
+            devices=shard.devices,
             placement=shard.placement,
         )
 
@@ -316,7 +327,10 @@ def _rpc_args(rpc: list[str], spec: ShardStart) -> tuple[str, ...]:
     split = ",".join(f"{x:g}" for x in spec.tensor_split)
     args = ["--rpc", ",".join(rpc), "--n-gpu-layers", str(spec.n_gpu_layers)]
     if split:
-        args += ["--tensor-split", split]
+        # Only the stages' devices (RPC<n>, one per device a stage serves): a GPU of the head
+        # would come after them and take layers the plan gave nobody.
+        devices = ",".join(f"RPC{n}" for n in range(len(spec.tensor_split)))
+        args += ["--device", devices, "--tensor-split", split]
     # No automatic fit: the plan decides; -lv 4 makes the load log say where layers went.
     return (*args, "--fit", "off", "--cache-ram", "0", "-lv", "4")
 

@@ -20,6 +20,7 @@ from shoal.controller.profile import gguf_info, plan_for
 from shoal.models.errors import ModelError
 from shoal.models.resolve import resolve_model
 from shoal.router.context import context
+from shoal.router.deployments import split_nodes
 from shoal.router.errors import BadRequest, ModelNotFound
 from shoal.router.routes.common import json_response
 from shoal.router.workers import WorkerConnection
@@ -82,7 +83,7 @@ def _nodes(request: Request, wanted: list[str] | None) -> list[Node]:
             f"Unknown worker id(s) {unknown}; connected: {', '.join(sorted(workers))}.",
             param="workers",
         )
-    return [Node(id=i, free_bytes=workers[i].ram_available_bytes) for i in ids]
+    return split_nodes([workers[i] for i in ids])
 
 
 def _shard_json(shard: Shard) -> dict[str, Any]:

@@ -13,18 +13,12 @@ from dataclasses import dataclass
 import httpx
 import psutil
 import pytest
+from splits import PROMPTS, ask, deployment, is_head, rpc_servers, status
 
 from cluster import MODEL, Cluster, Router, wait_until
 from shoal.llama_cpp.threads import SPLIT_SPINCOUNT
 
 pytestmark = pytest.mark.e2e
-
-PROMPTS = [
-    "Name three colours.",
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-]
-GREEDY = {"temperature": 0, "max_tokens": 48, "cache_prompt": False}
 
 
 @dataclass
@@ -32,27 +26,6 @@ class Split:
     router: Router
     names: list[str]
     pids: list[int]
-
-
-def status(router: Router) -> list[dict[str, object]]:
-    r = httpx.get(router.url + "/api/v1/pipeline/status", headers=router.headers, timeout=10)
-    r.raise_for_status()
-    data: list[dict[str, object]] = r.json()["data"]
-    return data
-
-
-def deployment(router: Router, name: str) -> dict[str, object]:
-    return next(d for d in status(router) if d["name"] == name)
-
-
-def ask(router: Router, model: str, prompt: str) -> str:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], **GREEDY}
-    r = httpx.post(
-        router.url + "/v1/chat/completions", json=body, headers=router.headers, timeout=120
-    )
-    assert r.status_code == 200, r.text
-    content: str = r.json()["choices"][0]["message"]["content"]
-    return content
 
 
 @pytest.fixture
@@ -127,18 +100,6 @@ def test_split_over_three_workers_answers_as_one_machine(
     assert "smol-split" in [m["id"] for m in models]
     for prompt in PROMPTS:
         assert ask(router, "smol-split", prompt) == ask(router, MODEL, prompt), prompt
-
-
-def is_head(p: psutil.Process) -> bool:
-    return p.name() == "llama-server" and "--rpc" in p.cmdline()
-
-
-def rpc_servers(worker_pid: int) -> list[psutil.Process]:
-    return [
-        p
-        for p in psutil.Process(worker_pid).children(recursive=True)
-        if p.name() == "ggml-rpc-server"
-    ]
 
 
 def test_a_killed_stage_degrades_the_split_then_it_is_redeployed(cluster: Cluster) -> None:

@@ -33,6 +33,7 @@ from shoal.router.async_jobs.service import JobsService
 from shoal.router.async_jobs.store import JobStore
 from shoal.router.auth import KeyCheck, StoreAccess, describe, startup_problem
 from shoal.router.context import RouterContext
+from shoal.router.deployment_leases import DeploymentLeases
 from shoal.router.deployment_store import DeploymentStore
 from shoal.router.deployments import Deployments
 from shoal.router.dispatch import Dispatcher
@@ -112,6 +113,7 @@ def build_app(settings: RouterSettings, store: KeyStore | None = None) -> infere
             DeploymentStore(store.engine),
             RouterTunnels(registry, settings.host, settings.tunnel_port, _tunnel_tls(settings)),
             _router_model(settings),
+            _deployment_leases(settings, shared, dispatcher),
         ),
     )
     dispatcher.unavailable_reason = ctx.deployments.unavailable if ctx.deployments else None
@@ -157,6 +159,15 @@ def _tunnel_tls(settings: RouterSettings) -> ssl.SSLContext | None:
         return serving.server_tls_context(tls)
     except serving.TlsError as exc:
         raise RouterConfigError(str(exc)) from None
+
+
+def _deployment_leases(
+    settings: RouterSettings, shared: redis.asyncio.Redis | None, dispatcher: Dispatcher
+) -> DeploymentLeases | None:
+    """With Redis, other routers may share the deployments: one runs each (by lease)."""
+    if shared is None or not isinstance(dispatcher, RedisDispatcher):
+        return None
+    return DeploymentLeases(shared, settings.redis_prefix, dispatcher.name)
 
 
 def _router_model(settings: RouterSettings) -> Callable[[str], Path]:

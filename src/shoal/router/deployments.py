@@ -19,11 +19,19 @@ reconciles every deployment:
 
 Deployments are kept in the router's database (``deployment_store``) and deployed again
 after a restart as workers connect.
+
+Several routers on one Redis and one database (``leases``): every router reloads the stored
+deployments every ``SYNC_S``, and runs only those whose lease it holds
+(``deployment_leases``): it takes a free lease for a deployment that fits on its own workers,
+renews it while it runs it, gives it back while it waits for workers, and stops its shards if
+another router took it. The others answer status and requests from the holder's published
+view.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -34,6 +42,7 @@ from shoal.controller.deployment import Deployment, DeploymentSpec, DeploymentSt
 from shoal.controller.launch import head_launch, placed_layers
 from shoal.controller.placement import Node, NoFit, Plan
 from shoal.controller.profile import Planned, gguf_info, plan_for
+from shoal.keys.errors import DatabaseError
 from shoal.protocol.ids import ModelName, WorkerId
 from shoal.protocol.messages import (
     RpcPeer,
@@ -43,6 +52,8 @@ from shoal.protocol.messages import (
     ShardStatus,
     ShardStop,
 )
+from shoal.queue.redis_support import REDIS_DOWN, OutageLog, raise_if_cancelled
+from shoal.router.deployment_leases import DeploymentLeases, Held
 from shoal.router.deployment_store import DeploymentStore
 from shoal.router.workers import Registry, WorkerConnection
 
@@ -53,6 +64,8 @@ RETRY_MAX_S = 30.0
 START_TIMEOUT_S = 300.0
 """A deployment whose shards are not all ready this long after starting is redeployed."""
 MAX_DEPLOYMENTS = 32
+SYNC_S = 2.0
+"""With several routers: how often deployments are reloaded and leases renewed."""
 
 
 class Tunnels(Protocol):
@@ -76,14 +89,23 @@ class Deployments:
         store: DeploymentStore | None,
         tunnels: Tunnels | None,
         resolve: Callable[[str], Path],
+        leases: DeploymentLeases | None = None,
     ) -> None:
         """``resolve``: a model source -> the GGUF on the router (blocking; raises
-        ``ModelError``), for planning."""
+        ``ModelError``), for planning. ``leases``: shared with other routers (None: this
+        router runs every deployment)."""
         self.registry = registry
         self.store = store
         self.tunnels = tunnels
         self.resolve = resolve
+        self.leases = leases
         self.items: dict[str, Deployment] = {}
+        self._mine: set[str] = set()
+        """With leases: the deployments this router holds the lease of, and runs."""
+        self._elsewhere: dict[str, Held] = {}
+        self._sync_now = asyncio.Event()
+        self._outage = OutageLog()
+        self._renewed_at = time.monotonic()
         self._kv_per_layer: dict[str, int] = {}  # for reading layer counts from placements
         self._n_layers: dict[str, int] = {}
         self._wake = asyncio.Event()
@@ -119,8 +141,10 @@ class Deployments:
         deployment = Deployment(spec)
         self.items[spec.name] = deployment
         log.info("deployment %s of %s accepted (%s mode)", spec.name, spec.source, spec.mode)
-        self._reconcile(deployment, time.monotonic())
+        if self._runs(deployment):
+            self._reconcile(deployment, time.monotonic())
         self.wake()
+        self._sync_now.set()
         return deployment
 
     async def undeploy(self, name: str) -> Deployment | None:
@@ -130,6 +154,7 @@ class Deployments:
         if self.store is not None:
             await asyncio.to_thread(self.store.delete, name)
         self._stop_shards(deployment, "undeployed")
+        await self._let_go(name)
         log.info("deployment %s undeployed", name)
         return deployment
 
@@ -137,6 +162,8 @@ class Deployments:
         """Plan again over the workers there are now and redeploy where the plan changed."""
         chosen = [d for d in self.items.values() if name is None or d.name == name]
         for d in chosen:
+            if not self._runs(d):
+                continue  # its router rebalances it
             planned = self._plan(d)
             new = planned.result if planned is not None else None
             if isinstance(new, Plan) and (d.plan is None or _layout(d.plan) != _layout(new)):
@@ -149,7 +176,20 @@ class Deployments:
     def unavailable(self, model: ModelName) -> str | None:
         """Why requests for a deployed model cannot be served now (None: they can)."""
         d = self.items.get(model)
-        if d is None or d.state is DeploymentState.SERVING:
+        if d is None:
+            return None
+        if not self._runs(d):
+            held = self._elsewhere.get(model)
+            view = held.view if held is not None else None
+            if view is not None and view.get("state") == DeploymentState.SERVING.value:
+                return None  # queued in Redis, where the router holding its head takes it
+            where = f"router {held.router}" if held else "no router with the workers for it yet"
+            state = view.get("state", "starting") if view else "pending"
+            return (
+                f"The model {model!r} is split over several workers and is {state} "
+                f"({where}); retry in a few seconds."
+            )
+        if d.state is DeploymentState.SERVING:
             return None
         return (
             f"The model {model!r} is split over several workers and is {d.state.value} "
@@ -203,17 +243,117 @@ class Deployments:
 
     async def run(self) -> None:
         await self.load()
+        async with asyncio.TaskGroup() as tg:
+            if self.leases is not None:
+                tg.create_task(self._sync_loop(self.leases))
+            await self._reconcile_loop()
+
+    async def _reconcile_loop(self) -> None:
         while True:
             self._wake.clear()
             now = time.monotonic()
-            for d in list(self.items.values()):
+            mine = [d for d in self.items.values() if self._runs(d)]
+            for d in mine:
                 self._reconcile(d, now)
-            waits = [d.retry_at - now for d in self.items.values() if d.retry_at > now]
+            waits = [d.retry_at - now for d in mine if d.retry_at > now]
             try:
                 async with asyncio.timeout(min(waits) if waits else None):
                     await self._wake.wait()
             except TimeoutError:
                 pass
+
+    def _runs(self, d: Deployment) -> bool:
+        return self.leases is None or d.name in self._mine
+
+    # ------------------------------------------------------------ several routers
+
+    async def _sync_loop(self, leases: DeploymentLeases) -> None:
+        while True:
+            try:
+                await self._sync(leases)
+                self._outage.succeeded()
+                self._renewed_at = time.monotonic()
+            except (*REDIS_DOWN, DatabaseError) as exc:
+                raise_if_cancelled()
+                self._outage.failed("deployment leases", exc)
+                if time.monotonic() - self._renewed_at > leases.ttl_ms / 1000:
+                    for name in list(self._mine):  # another router may hold them by now
+                        self._lose(name, "its lease could not be renewed")
+            self._sync_now.clear()
+            try:
+                async with asyncio.timeout(SYNC_S):
+                    await self._sync_now.wait()
+            except TimeoutError:
+                pass
+
+    async def _sync(self, leases: DeploymentLeases) -> None:
+        if self.store is not None:
+            self._apply(await asyncio.to_thread(self.store.load))
+        for name, d in list(self.items.items()):
+            if name in self._mine:
+                if d.state is DeploymentState.PENDING and not self._fits_here(d):
+                    self._mine.discard(name)  # waiting for workers: let a router that has them
+                    await leases.release(name)
+                    continue
+                owner = await leases.hold(name)
+                if owner != leases.router:
+                    self._lose(name, f"router {owner} runs it now")
+                elif name in self.items:
+                    await leases.publish(name, self._view(d))
+            elif (
+                name not in self._elsewhere
+                and self._fits_here(d)
+                and await leases.hold(name) == leases.router
+            ):
+                self._mine.add(name)
+                d.retry_at = 0.0
+                log.info("deployment %s: this router runs it (its workers fit it)", name)
+                self.wake()
+        self._elsewhere = await leases.held([n for n in self.items if n not in self._mine])
+
+    def _apply(self, specs: list[DeploymentSpec]) -> None:
+        """The stored deployments, as another router may have changed them."""
+        stored = {s.name: s for s in specs}
+        for name in [n for n in self.items if n not in stored]:
+            self._stop_shards(self.items.pop(name), "undeployed on another router")
+            self._mine.discard(name)
+        for name, spec in stored.items():
+            old = self.items.get(name)
+            if old is None or _settings(old.spec) != _settings(spec):
+                if old is not None:
+                    self._stop_shards(old, "redeployed with new settings on another router")
+                self.items[name] = Deployment(spec)
+                self.wake()
+
+    def _lose(self, name: str, why: str) -> None:
+        self._mine.discard(name)
+        d = self.items.get(name)
+        if d is not None and d.state is not DeploymentState.PENDING:
+            self._stop_shards(d, why)
+            d.move(DeploymentState.PENDING, why)
+
+    async def _let_go(self, name: str) -> None:
+        self._mine.discard(name)
+        self._elsewhere.pop(name, None)
+        if self.leases is not None:
+            try:
+                await self.leases.release(name)
+            except REDIS_DOWN as exc:  # its lease runs out by itself
+                raise_if_cancelled()
+                self._outage.failed("deployment leases", exc)
+
+    def _fits_here(self, d: Deployment) -> bool:
+        """Whether ``d`` could be planned over this router's workers now (no side effects)."""
+        nodes = self._candidates(d)
+        if isinstance(nodes, str):
+            return False
+        try:
+            info = gguf_info(self.resolve(d.spec.source))
+        except Exception:  # an unreadable model fits nowhere; _plan says why where it runs
+            return False
+        return isinstance(plan_for(info, nodes, d.spec.ctx, d.spec.strategy).result, Plan)
+
+    # ------------------------------------------------------------ one deployment
 
     def _reconcile(self, d: Deployment, now: float) -> None:
         if d.state is DeploymentState.STARTING and now - d.changed_at > START_TIMEOUT_S:
@@ -233,19 +373,25 @@ class Deployments:
         return plan_for(info, nodes, d.spec.ctx, d.spec.strategy)
 
     def _nodes(self, d: Deployment) -> list[Node] | None:
+        nodes = self._candidates(d)
+        if isinstance(nodes, str):
+            self._pending(d, nodes)
+            return None
+        return nodes
+
+    def _candidates(self, d: Deployment) -> list[Node] | str:
+        """The planner's nodes for ``d`` among this router's workers, or why there are none."""
         workers = [w for w in self.registry if w.ready]
         if d.spec.workers is not None:
             by_key = {w.id: w for w in workers} | {w.name: w for w in workers}
             missing = [k for k in d.spec.workers if k not in by_key]
             if missing:
-                self._pending(d, f"waiting for worker(s) {', '.join(missing)}")
-                return None
+                return f"waiting for worker(s) {', '.join(missing)}"
             workers = [by_key[k] for k in d.spec.workers]
         else:
             workers.sort(key=lambda w: (w.name, w.id))
         if not workers:
-            self._pending(d, "waiting for workers")
-            return None
+            return "waiting for workers"
         return split_nodes(workers)
 
     def _start(self, d: Deployment) -> None:
@@ -352,7 +498,24 @@ class Deployments:
     # ------------------------------------------------------------ views
 
     def status(self) -> list[dict[str, Any]]:
-        return [self._view(d) for d in self.items.values()]
+        if self.leases is None:
+            return [self._view(d) for d in self.items.values()]
+        views = []
+        for d in self.items.values():
+            held = self._elsewhere.get(d.name)
+            if d.name in self._mine:
+                views.append(self._view(d) | {"router": self.leases.router})
+            elif held is not None and held.view is not None:
+                views.append(held.view | {"router": held.router})
+            else:
+                view = self._view(d) | {"router": held.router if held else None}
+                view["detail"] = (
+                    f"starting on router {held.router}"
+                    if held
+                    else "waiting for a router whose workers can hold it"
+                )
+                views.append(view)
+        return views
 
     def _view(self, d: Deployment) -> dict[str, Any]:
         kv_per_layer = self._kv_per_layer.get(d.name, 0)
@@ -416,6 +579,11 @@ def split_nodes(workers: list[WorkerConnection]) -> list[Node]:
         free = stage_memory if stage_memory is not None else w.ram_available_bytes
         nodes.append(Node(id=w.id, free_bytes=free))
     return nodes
+
+
+def _settings(spec: DeploymentSpec) -> DeploymentSpec:
+    """What a deployment asks for, without when (as read back from the database)."""
+    return dataclasses.replace(spec, created_at=0.0)
 
 
 def _other_builds(d: Deployment, reported: ShardView) -> str:

@@ -1,0 +1,48 @@
+"""Helpers for the split-model e2e tests: the pipeline API, greedy answers, shard processes."""
+
+from __future__ import annotations
+
+import httpx
+import psutil
+
+from cluster import Router
+
+PROMPTS = [
+    "Name three colours.",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+]
+GREEDY = {"temperature": 0, "max_tokens": 48, "cache_prompt": False}
+
+
+def status(router: Router) -> list[dict[str, object]]:
+    r = httpx.get(router.url + "/api/v1/pipeline/status", headers=router.headers, timeout=10)
+    r.raise_for_status()
+    data: list[dict[str, object]] = r.json()["data"]
+    return data
+
+
+def deployment(router: Router, name: str) -> dict[str, object]:
+    return next(d for d in status(router) if d["name"] == name)
+
+
+def ask(router: Router, model: str, prompt: str) -> str:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], **GREEDY}
+    r = httpx.post(
+        router.url + "/v1/chat/completions", json=body, headers=router.headers, timeout=120
+    )
+    assert r.status_code == 200, r.text
+    content: str = r.json()["choices"][0]["message"]["content"]
+    return content
+
+
+def is_head(p: psutil.Process) -> bool:
+    return p.name() == "llama-server" and "--rpc" in p.cmdline()
+
+
+def rpc_servers(worker_pid: int) -> list[psutil.Process]:
+    return [
+        p
+        for p in psutil.Process(worker_pid).children(recursive=True)
+        if p.name() == "ggml-rpc-server"
+    ]

@@ -36,6 +36,11 @@ def pg_url() -> Iterator[str]:
             conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
+def served(router: Router) -> list[str]:
+    r = httpx.get(router.url + "/v1/models", headers=router.headers, timeout=5)
+    return [m["id"] for m in r.json()["data"]]
+
+
 def test_a_split_deployed_through_one_router_runs_on_the_router_with_the_workers(
     cluster: Cluster, redis_prefix: str, pg_url: str
 ) -> None:
@@ -74,6 +79,11 @@ def test_a_split_deployed_through_one_router_runs_on_the_router_with_the_workers
     assert r.status_code == 200, r.text
     wait_until(lambda: not rpc_servers(workers["on-a-2"].pid), 30, "A to stop the stage")
     wait_until(lambda: status(a) == [] and status(b) == [], 10, "both routers to forget it")
+    wait_until(
+        lambda: all("smol-split" not in served(r) for r in (a, b)),
+        10,
+        "the head worker to stop advertising it",
+    )
     r = httpx.post(
         b.url + "/v1/chat/completions",
         json={"model": "smol-split", "messages": [{"role": "user", "content": "hi"}]},

@@ -28,9 +28,7 @@ async def test_one_router_holds_a_deployment_until_it_lets_go(
     assert await a.hold("split") == "router-a"  # renewed
     assert await a.publish("split", {"state": "serving"})
     assert not await b.publish("split", {"state": "pending"})  # only the holder publishes
-    assert await b.held(["split", "other"]) == {
-        "split": Held("router-a", {"state": "serving"})
-    }
+    assert await b.held(["split", "other"]) == {"split": Held("router-a", {"state": "serving"})}
     await b.release("split")  # not b's to release
     assert await b.hold("split") == "router-a"
     await a.release("split")

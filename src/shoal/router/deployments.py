@@ -20,12 +20,8 @@ reconciles every deployment:
 Deployments are kept in the router's database (``deployment_store``) and deployed again
 after a restart as workers connect.
 
-Several routers on one Redis and one database (``leases``): every router reloads the stored
-deployments every ``SYNC_S``, and runs only those whose lease it holds
-(``deployment_leases``): it takes a free lease for a deployment that fits on its own workers,
-renews it while it runs it, gives it back while it waits for workers, and stops its shards if
-another router took it. The others answer status and requests from the holder's published
-view.
+Several routers on one Redis and one database: each runs only the deployments whose lease
+it holds (``deployment_sharing``), and shows the others as their holders published them.
 """
 
 from __future__ import annotations
@@ -39,10 +35,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shoal.controller.deployment import Deployment, DeploymentSpec, DeploymentState, ShardView
-from shoal.controller.launch import head_launch, placed_layers
+from shoal.controller.launch import head_launch
 from shoal.controller.placement import Node, NoFit, Plan
 from shoal.controller.profile import Planned, gguf_info, plan_for
-from shoal.keys.errors import DatabaseError
 from shoal.protocol.ids import ModelName, WorkerId
 from shoal.protocol.messages import (
     RpcPeer,
@@ -52,9 +47,10 @@ from shoal.protocol.messages import (
     ShardStatus,
     ShardStop,
 )
-from shoal.queue.redis_support import REDIS_DOWN, OutageLog, raise_if_cancelled
-from shoal.router.deployment_leases import DeploymentLeases, Held
+from shoal.router.deployment_leases import DeploymentLeases
+from shoal.router.deployment_sharing import Sharing
 from shoal.router.deployment_store import DeploymentStore
+from shoal.router.deployment_views import deployment_view
 from shoal.router.workers import Registry, WorkerConnection
 
 log = logging.getLogger(__name__)
@@ -64,8 +60,6 @@ RETRY_MAX_S = 30.0
 START_TIMEOUT_S = 300.0
 """A deployment whose shards are not all ready this long after starting is redeployed."""
 MAX_DEPLOYMENTS = 32
-SYNC_S = 2.0
-"""With several routers: how often deployments are reloaded and leases renewed."""
 
 
 class Tunnels(Protocol):
@@ -98,14 +92,8 @@ class Deployments:
         self.store = store
         self.tunnels = tunnels
         self.resolve = resolve
-        self.leases = leases
+        self.sharing = Sharing(leases) if leases is not None else None
         self.items: dict[str, Deployment] = {}
-        self._mine: set[str] = set()
-        """With leases: the deployments this router holds the lease of, and runs."""
-        self._elsewhere: dict[str, Held] = {}
-        self._sync_now = asyncio.Event()
-        self._outage = OutageLog()
-        self._renewed_at = time.monotonic()
         self._kv_per_layer: dict[str, int] = {}  # for reading layer counts from placements
         self._n_layers: dict[str, int] = {}
         self._wake = asyncio.Event()
@@ -144,7 +132,8 @@ class Deployments:
         if self._runs(deployment):
             self._reconcile(deployment, time.monotonic())
         self.wake()
-        self._sync_now.set()
+        if self.sharing is not None:
+            self.sharing.sync_soon()
         return deployment
 
     async def undeploy(self, name: str) -> Deployment | None:
@@ -154,7 +143,8 @@ class Deployments:
         if self.store is not None:
             await asyncio.to_thread(self.store.delete, name)
         self._stop_shards(deployment, "undeployed")
-        await self._let_go(name)
+        if self.sharing is not None:
+            await self.sharing.let_go(name)
         log.info("deployment %s undeployed", name)
         return deployment
 
@@ -178,17 +168,8 @@ class Deployments:
         d = self.items.get(model)
         if d is None:
             return None
-        if not self._runs(d):
-            held = self._elsewhere.get(model)
-            view = held.view if held is not None else None
-            if view is not None and view.get("state") == DeploymentState.SERVING.value:
-                return None  # queued in Redis, where the router holding its head takes it
-            where = f"router {held.router}" if held else "no router with the workers for it yet"
-            state = view.get("state", "starting") if view else "pending"
-            return (
-                f"The model {model!r} is split over several workers and is {state} "
-                f"({where}); retry in a few seconds."
-            )
+        if self.sharing is not None and not self._runs(d):
+            return self.sharing.unavailable(model)
         if d.state is DeploymentState.SERVING:
             return None
         return (
@@ -244,8 +225,8 @@ class Deployments:
     async def run(self) -> None:
         await self.load()
         async with asyncio.TaskGroup() as tg:
-            if self.leases is not None:
-                tg.create_task(self._sync_loop(self.leases))
+            if self.sharing is not None:
+                tg.create_task(self.sharing.run(self))
             await self._reconcile_loop()
 
     async def _reconcile_loop(self) -> None:
@@ -263,60 +244,18 @@ class Deployments:
                 pass
 
     def _runs(self, d: Deployment) -> bool:
-        return self.leases is None or d.name in self._mine
+        return self.sharing is None or d.name in self.sharing.mine
 
     # ------------------------------------------------------------ several routers
 
-    async def _sync_loop(self, leases: DeploymentLeases) -> None:
-        while True:
-            try:
-                await self._sync(leases)
-                self._outage.succeeded()
-                self._renewed_at = time.monotonic()
-            except (*REDIS_DOWN, DatabaseError) as exc:
-                raise_if_cancelled()
-                self._outage.failed("deployment leases", exc)
-                if time.monotonic() - self._renewed_at > leases.ttl_ms / 1000:
-                    for name in list(self._mine):  # another router may hold them by now
-                        self._lose(name, "its lease could not be renewed")
-            self._sync_now.clear()
-            try:
-                async with asyncio.timeout(SYNC_S):
-                    await self._sync_now.wait()
-            except TimeoutError:
-                pass
+    async def stored(self) -> list[DeploymentSpec] | None:
+        return await asyncio.to_thread(self.store.load) if self.store is not None else None
 
-    async def _sync(self, leases: DeploymentLeases) -> None:
-        if self.store is not None:
-            self._apply(await asyncio.to_thread(self.store.load))
-        for name, d in list(self.items.items()):
-            if name in self._mine:
-                if d.state is DeploymentState.PENDING and not self._fits_here(d):
-                    self._mine.discard(name)  # waiting for workers: let a router that has them
-                    await leases.release(name)
-                    continue
-                owner = await leases.hold(name)
-                if owner != leases.router:
-                    self._lose(name, f"router {owner} runs it now")
-                elif name in self.items:
-                    await leases.publish(name, self._view(d))
-            elif (
-                name not in self._elsewhere
-                and self._fits_here(d)
-                and await leases.hold(name) == leases.router
-            ):
-                self._mine.add(name)
-                d.retry_at = 0.0
-                log.info("deployment %s: this router runs it (its workers fit it)", name)
-                self.wake()
-        self._elsewhere = await leases.held([n for n in self.items if n not in self._mine])
-
-    def _apply(self, specs: list[DeploymentSpec]) -> None:
+    def apply(self, specs: list[DeploymentSpec]) -> None:
         """The stored deployments, as another router may have changed them."""
         stored = {s.name: s for s in specs}
         for name in [n for n in self.items if n not in stored]:
             self._stop_shards(self.items.pop(name), "undeployed on another router")
-            self._mine.discard(name)
         for name, spec in stored.items():
             old = self.items.get(name)
             if old is None or _settings(old.spec) != _settings(spec):
@@ -325,24 +264,13 @@ class Deployments:
                 self.items[name] = Deployment(spec)
                 self.wake()
 
-    def _lose(self, name: str, why: str) -> None:
-        self._mine.discard(name)
+    def lose(self, name: str, why: str) -> None:
         d = self.items.get(name)
         if d is not None and d.state is not DeploymentState.PENDING:
             self._stop_shards(d, why)
             d.move(DeploymentState.PENDING, why)
 
-    async def _let_go(self, name: str) -> None:
-        self._mine.discard(name)
-        self._elsewhere.pop(name, None)
-        if self.leases is not None:
-            try:
-                await self.leases.release(name)
-            except REDIS_DOWN as exc:  # its lease runs out by itself
-                raise_if_cancelled()
-                self._outage.failed("deployment leases", exc)
-
-    def _fits_here(self, d: Deployment) -> bool:
+    def fits_here(self, d: Deployment) -> bool:
         """Whether ``d`` could be planned over this router's workers now (no side effects)."""
         nodes = self._candidates(d)
         if isinstance(nodes, str):
@@ -497,72 +425,15 @@ class Deployments:
 
     # ------------------------------------------------------------ views
 
-    def status(self) -> list[dict[str, Any]]:
-        if self.leases is None:
-            return [self._view(d) for d in self.items.values()]
-        views = []
-        for d in self.items.values():
-            held = self._elsewhere.get(d.name)
-            if d.name in self._mine:
-                views.append(self._view(d) | {"router": self.leases.router})
-            elif held is not None and held.view is not None:
-                views.append(held.view | {"router": held.router})
-            else:
-                view = self._view(d) | {"router": held.router if held else None}
-                view["detail"] = (
-                    f"starting on router {held.router}"
-                    if held
-                    else "waiting for a router whose workers can hold it"
-                )
-                views.append(view)
-        return views
-
-    def _view(self, d: Deployment) -> dict[str, Any]:
-        kv_per_layer = self._kv_per_layer.get(d.name, 0)
-        launch = head_launch(d.plan, [s.devices for s in d.stages]) if d.plan else None
-        return {
-            "name": d.name,
-            "model": d.spec.source,
-            "state": d.state.value,
-            "detail": d.detail,
-            "mode": d.spec.mode,
-            "ctx": d.plan.ctx if d.plan else d.spec.ctx,
-            "strategy": d.spec.strategy.value,
-            "workers": list(d.spec.workers) if d.spec.workers is not None else None,
-            "n_layers": self._n_layers.get(d.name),
-            "n_gpu_layers": launch.n_gpu_layers if launch else None,
-            "tensor_split": list(launch.tensor_split) if launch else None,
-            "shards": [self._shard_view(s, kv_per_layer) for s in d.shards],
-        }
-
-    def _shard_view(self, s: ShardView, kv_per_layer: int) -> dict[str, Any]:
-        worker = self.registry.get(WorkerId(s.worker_id))
-        placed = (
-            placed_layers([p.kv_bytes for p in s.placement], kv_per_layer)
-            if kv_per_layer and s.placement
-            else ()
+    def view(self, d: Deployment) -> dict[str, Any]:
+        return deployment_view(
+            d, self.registry, self._kv_per_layer.get(d.name, 0), self._n_layers.get(d.name)
         )
-        return {
-            "worker": s.worker_id,
-            "worker_name": worker.name if worker else None,
-            "role": s.role.value,
-            "layers": [s.first_layer, s.last_layer],
-            "n_layers": s.last_layer - s.first_layer + 1,
-            "state": s.state.value,
-            "detail": s.detail,
-            "planned_bytes": s.planned_bytes,
-            "free_bytes": s.free_bytes,
-            "device_free_bytes": list(s.devices),
-            "build": s.build or None,
-            "placement": [
-                {"device": p.device, "model_bytes": p.model_bytes, "kv_bytes": p.kv_bytes}
-                | ({"layers": placed[i]} if placed else {})
-                for i, p in enumerate(s.placement)
-            ],
-            "last_heartbeat_s_ago": (
-                round(time.monotonic() - worker.last_seen, 3) if worker else None
-            ),
-        }
+
+    def status(self) -> list[dict[str, Any]]:
+        if self.sharing is None:
+            return [self.view(d) for d in self.items.values()]
+        return [self.sharing.view(d, self) for d in self.items.values()]
 
 
 def split_nodes(workers: list[WorkerConnection]) -> list[Node]:

@@ -1,4 +1,5 @@
-"""Pure pieces of the worker: backoff, router URL forms, outbox framing, SSE parsing."""
+"""Small pieces of the worker: backoff, router URL forms, outbox framing, SSE parsing, shard
+orders it cannot carry out."""
 
 from __future__ import annotations
 
@@ -10,10 +11,20 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from shoal.protocol.ids import JobId
-from shoal.protocol.messages import JobDone, decode_worker_message
+from shoal.protocol.messages import (
+    JobDone,
+    Register,
+    ShardRole,
+    ShardStart,
+    ShardState,
+    ShardStatus,
+    decode_worker_message,
+)
 from shoal.worker.backend import error_from_body, sse_data
 from shoal.worker.backoff import Backoff
+from shoal.worker.link import RouterLink
 from shoal.worker.outbox import Outbox, frames
+from shoal.worker.runner import JobRunner
 from shoal.worker.settings import WorkerSettings, router_ws_url
 
 
@@ -98,3 +109,32 @@ def test_backend_errors_are_readable() -> None:
     assert (e.message, e.type, e.code) == ("too long", "x", 400)
     e = error_from_body(502, b"<html>bad gateway</html>")
     assert "502" in e.message and "bad gateway" in e.message
+
+
+def test_a_shard_asked_of_a_worker_that_cannot_run_one_fails_with_the_reason() -> None:
+    def register() -> Register:
+        raise AssertionError("this link never dials")
+
+    async def main() -> list[str]:
+        outbox = Outbox()
+        link = RouterLink(["ws://127.0.0.1:1/ws/worker"], None, register, JobRunner(outbox), outbox)
+        link.no_shards_reason = "this worker cannot take part in split models: no GPU CUDA2"
+        start = ShardStart(
+            deployment="split", role=ShardRole.STAGE, model="split", source="m", ctx_size=1024
+        )
+        link._shard_order(start)
+        sent: list[str] = []
+
+        async def send(frame: str) -> None:
+            sent.append(frame)
+            raise asyncio.CancelledError
+
+        with pytest.raises(asyncio.CancelledError):
+            await outbox.pump(send)
+        return sent
+
+    [frame] = asyncio.run(main())
+    status = decode_worker_message(frame)
+    assert isinstance(status, ShardStatus)
+    assert status.state is ShardState.FAILED and status.deployment == "split"
+    assert "no GPU CUDA2" in status.detail

@@ -45,6 +45,8 @@ from shoal.protocol.messages import (
     Register,
     Registered,
     ShardStart,
+    ShardState,
+    ShardStatus,
     ShardStop,
     StateChanged,
     TunnelDial,
@@ -130,6 +132,8 @@ class ShardOrders(Protocol):
 class RouterLink:
     shards: ShardOrders | None = None
     """Set by the worker when it can take part in split models."""
+    no_shards_reason = "this worker runs no llama.cpp of its own (--backend-url)"
+    """Why ``shards`` is None, for the router (a shard it asks for fails with it)."""
     on_model_control: Callable[[ModelControl], bool] | None = None
     """Set by the worker when it can load and unload models on request (image models)."""
 
@@ -302,7 +306,15 @@ class RouterLink:
 
     def _shard_order(self, msg: ShardStart | ShardStop | TunnelDial) -> None:
         if self.shards is None:
-            log.warning("the router sent %s, but this worker runs no shards", msg.type)
+            log.warning("the router sent %s, but %s", msg.type, self.no_shards_reason)
+            if isinstance(msg, ShardStart):  # the deployment fails with why, not at a timeout
+                failed = ShardStatus(
+                    deployment=msg.deployment,
+                    role=msg.role,
+                    state=ShardState.FAILED,
+                    detail=self.no_shards_reason,
+                )
+                self.outbox.send(failed)
         elif isinstance(msg, ShardStart):
             self.shards.start(msg)
         elif isinstance(msg, ShardStop):

@@ -387,6 +387,7 @@ async def _shard_host(
         listed = await asyncio.to_thread(tools.devices)
     except (LlamaCppError, hardware.HardwareError) as exc:
         log.warning("this worker cannot take part in split models: %s", exc)
+        link.no_shards_reason = f"this worker cannot take part in split models: {exc}"
         return None
     link.memory.stage_devices, link.memory.gpu_devices = listed, settings.gpu_devices
     log.info(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
 from socketless import worker_connection
 
 from shoal.controller.deployment import DeploymentSpec, DeploymentState
@@ -20,7 +21,8 @@ from shoal.protocol.messages import (
     ShardStop,
     decode_router_message,
 )
-from shoal.router.deployments import Deployments, split_nodes
+from shoal.router.deployments import Deployments, planning_nodes, split_nodes
+from shoal.router.errors import BadRequest
 from shoal.router.workers import Registry, WorkerConnection
 
 GIB = 2**30
@@ -173,3 +175,27 @@ async def test_no_fit_is_pending_with_the_shortfall(model_path: Path) -> None:
     d = controller.items["split"]
     assert d.state is DeploymentState.PENDING
     assert "short" in d.detail or "need" in d.detail, d.detail
+
+
+CANNOT = "cannot run split models here: llama.cpp does not list the device(s) CUDA2"
+
+
+async def test_workers_that_cannot_run_shards_are_left_out_or_named(model_path: Path) -> None:
+    registry = Registry()
+    a, b, c = (connect(registry, n) for n in "abc")
+    c.no_shards = CANNOT
+    controller = Deployments(registry, None, FakeTunnels(), lambda source: model_path)
+    spec = DeploymentSpec("any", str(model_path), 1024, Strategy.BALANCED, None, "relayed")
+    await controller.deploy(spec)
+    assert [s.worker_id for s in controller.items["any"].shards] == ["a", "b"]
+    named = DeploymentSpec("named", str(model_path), 1024, Strategy.BALANCED, ("a", "c"), "relayed")
+    await controller.deploy(named)
+    d = controller.items["named"]
+    assert d.state is DeploymentState.PENDING and d.detail == f"c: {CANNOT}"
+
+    assert [n.id for n in planning_nodes(registry, None)] == ["a", "b"]
+    with pytest.raises(BadRequest, match="c: cannot run split models here"):
+        planning_nodes(registry, ["a", "c"])
+    a.no_shards = b.no_shards = CANNOT
+    with pytest.raises(BadRequest, match="No connected worker can run parts of split models"):
+        planning_nodes(registry, None)

@@ -147,6 +147,8 @@ class Register(Message):
     stage_memory_bytes: int | None = None
     """What a split model's stage here may hold: the free VRAM of the GPUs its
     ``ggml-rpc-server`` computes on (None: it computes on the CPU, in RAM)."""
+    no_shards: str | None = None
+    """Why this worker cannot run parts of split models (None: it can)."""
 
 
 class Heartbeat(Message):

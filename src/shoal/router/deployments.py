@@ -51,6 +51,7 @@ from shoal.router.deployment_leases import DeploymentLeases
 from shoal.router.deployment_sharing import Sharing
 from shoal.router.deployment_store import DeploymentStore
 from shoal.router.deployment_views import deployment_view
+from shoal.router.errors import BadRequest
 from shoal.router.workers import Registry, WorkerConnection
 
 log = logging.getLogger(__name__)
@@ -316,10 +317,13 @@ class Deployments:
             if missing:
                 return f"waiting for worker(s) {', '.join(missing)}"
             workers = [by_key[k] for k in d.spec.workers]
+            unable = [f"{w.name}: {w.no_shards}" for w in workers if w.no_shards]
+            if unable:
+                return "; ".join(unable)
         else:
-            workers.sort(key=lambda w: (w.name, w.id))
+            workers = sorted((w for w in workers if not w.no_shards), key=lambda w: (w.name, w.id))
         if not workers:
-            return "waiting for workers"
+            return "waiting for workers that can run parts of split models"
         return split_nodes(workers)
 
     def _start(self, d: Deployment) -> None:
@@ -450,6 +454,30 @@ def split_nodes(workers: list[WorkerConnection]) -> list[Node]:
         free = stage_memory if stage_memory is not None else w.ram_available_bytes
         nodes.append(Node(id=w.id, free_bytes=free))
     return nodes
+
+
+def planning_nodes(registry: Registry, wanted: list[str] | None) -> list[Node]:
+    """The nodes a dry-run plan is made over: ``wanted`` worker ids, else every worker that
+    can run parts of split models. Raises ``BadRequest`` naming what is wrong."""
+    workers: dict[str, WorkerConnection] = {w.id: w for w in registry}
+    if not workers:
+        raise BadRequest("No worker is connected; start workers before planning.")
+    if wanted is None:
+        ids = sorted(i for i, w in workers.items() if not w.no_shards)
+        if not ids:
+            reasons = "; ".join(f"{w.name}: {w.no_shards}" for w in workers.values())
+            raise BadRequest(f"No connected worker can run parts of split models ({reasons}).")
+        return split_nodes([workers[i] for i in ids])
+    unknown = [i for i in wanted if i not in workers]
+    if unknown or not wanted:
+        raise BadRequest(
+            f"Unknown worker id(s) {unknown}; connected: {', '.join(sorted(workers))}.",
+            param="workers",
+        )
+    unable = [f"{workers[i].name}: {workers[i].no_shards}" for i in wanted if workers[i].no_shards]
+    if unable:
+        raise BadRequest("; ".join(unable), param="workers")
+    return split_nodes([workers[i] for i in wanted])
 
 
 def _settings(spec: DeploymentSpec) -> DeploymentSpec:

@@ -67,6 +67,8 @@ class WorkerConnection:
     gpu_free_bytes: tuple[int | None, ...] = ()
     stage_memory_bytes: int | None = None
     """What a split model's stage may hold here (``Register.stage_memory_bytes``)."""
+    no_shards: str | None = None
+    """Why it cannot run parts of split models (None: it can)."""
     outbox: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
     served: frozenset[tuple[ModelName, Endpoint]] = frozenset()
 
@@ -85,6 +87,7 @@ class WorkerConnection:
             ram_available_bytes=msg.hardware.ram_available_bytes,
             gpu_free_bytes=tuple(g.memory_free_bytes for g in msg.hardware.gpus),
             stage_memory_bytes=msg.stage_memory_bytes,
+            no_shards=msg.no_shards,
         )
         conn.set_models(msg.models)
         return conn

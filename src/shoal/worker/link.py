@@ -129,10 +129,13 @@ class ShardOrders(Protocol):
     def dial(self, msg: TunnelDial) -> None: ...
 
 
+NO_LLAMA_CPP = "this worker runs no llama.cpp of its own (--backend-url)"
+
+
 class RouterLink:
     shards: ShardOrders | None = None
     """Set by the worker when it can take part in split models."""
-    no_shards_reason = "this worker runs no llama.cpp of its own (--backend-url)"
+    no_shards_reason = NO_LLAMA_CPP
     """Why ``shards`` is None, for the router (a shard it asks for fails with it)."""
     on_model_control: Callable[[ModelControl], bool] | None = None
     """Set by the worker when it can load and unload models on request (image models)."""

@@ -49,7 +49,7 @@ from shoal.worker.attached import AttachedServer
 from shoal.worker.backend import Backend, BackendTarget, discover_model
 from shoal.worker.image_models import ImageModels
 from shoal.worker.image_plan import plan_images, serves_images, start_images
-from shoal.worker.link import Refusal, RouterLink, client_tls_context
+from shoal.worker.link import NO_LLAMA_CPP, Refusal, RouterLink, client_tls_context
 from shoal.worker.llama_server import LlamaServer, LlamaServerConfig
 from shoal.worker.outbox import Outbox
 from shoal.worker.redis_pull import RedisPuller, redis_address, redis_client
@@ -231,6 +231,8 @@ class _Serving:
         """The image models (``image_plan.py``), when there are any."""
         self.shards: ShardHost | None = None
         """Its parts in split models (heads serve theirs as models of this worker)."""
+        self.no_shards: str | None = NO_LLAMA_CPP
+        """Why it cannot run parts of split models (None once ``shards`` is up)."""
 
     @property
     def state(self) -> BackendState:
@@ -315,6 +317,7 @@ async def run_worker(
             backend_url=(serving.supervisor.url or None) if serving.supervisor else None,
             software=f"shoal {__version__}",
             stage_memory_bytes=memory.stage_memory(),
+            no_shards=serving.no_shards,
         )
 
     if settings.redis_url is not None:
@@ -387,7 +390,7 @@ async def _shard_host(
         listed = await asyncio.to_thread(tools.devices)
     except (LlamaCppError, hardware.HardwareError) as exc:
         log.warning("this worker cannot take part in split models: %s", exc)
-        link.no_shards_reason = f"this worker cannot take part in split models: {exc}"
+        serving.no_shards = link.no_shards_reason = f"cannot run split models here: {exc}"
         return None
     link.memory.stage_devices, link.memory.gpu_devices = listed, settings.gpu_devices
     log.info(
@@ -400,6 +403,7 @@ async def _shard_host(
         tools, outbox.send, runner, session, tunnels, lambda: link.on_models(serving.models)
     )
     serving.shards = link.shards = host
+    serving.no_shards = None
     return host
 
 

@@ -15,15 +15,14 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
-from shoal.controller.placement import Node, NoFit, Shard, Strategy
+from shoal.controller.placement import NoFit, Shard, Strategy
 from shoal.controller.profile import gguf_info, plan_for
 from shoal.models.errors import ModelError
 from shoal.models.resolve import resolve_model
 from shoal.router.context import context
-from shoal.router.deployments import split_nodes
-from shoal.router.errors import BadRequest, ModelNotFound
+from shoal.router.deployments import planning_nodes
+from shoal.router.errors import ModelNotFound
 from shoal.router.routes.common import json_response
-from shoal.router.workers import WorkerConnection
 
 router = APIRouter()
 
@@ -49,7 +48,7 @@ async def plan_pipeline(request: Request, body: PlanRequest) -> Response:
     except ModelError as exc:
         raise ModelNotFound(str(exc), param="model") from None
     info = await asyncio.to_thread(gguf_info, local.path)
-    nodes = _nodes(request, body.workers)
+    nodes = planning_nodes(context(request).registry, body.workers)
     planned = plan_for(info, nodes, body.ctx, body.strategy)
     cells, result = planned.cells, planned.result
     answer: dict[str, Any] = {"model": local.id, "n_layers": info.n_layers, "ctx": cells}
@@ -70,20 +69,6 @@ async def plan_pipeline(request: Request, body: PlanRequest) -> Response:
             shards=[_shard_json(s) for s in result.shards],
         )
     return json_response(answer)
-
-
-def _nodes(request: Request, wanted: list[str] | None) -> list[Node]:
-    workers: dict[str, WorkerConnection] = {w.id: w for w in context(request).registry}
-    if not workers:
-        raise BadRequest("No worker is connected; start workers before planning.")
-    ids = wanted if wanted is not None else sorted(workers)
-    unknown = [i for i in ids if i not in workers]
-    if unknown or not ids:
-        raise BadRequest(
-            f"Unknown worker id(s) {unknown}; connected: {', '.join(sorted(workers))}.",
-            param="workers",
-        )
-    return split_nodes([workers[i] for i in ids])
 
 
 def _shard_json(shard: Shard) -> dict[str, Any]:

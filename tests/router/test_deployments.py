@@ -4,6 +4,7 @@ real default model's GGUF to plan from. Workers' answers are fed in as ``ShardSt
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,9 @@ from shoal.protocol.messages import (
     ShardStop,
     decode_router_message,
 )
-from shoal.router.deployments import Deployments, planning_nodes, split_nodes
+from shoal.router.deployment_nodes import planning_nodes, split_nodes
+from shoal.router.deployment_store import DeploymentStore
+from shoal.router.deployments import Deployments
 from shoal.router.errors import BadRequest
 from shoal.router.workers import Registry, WorkerConnection
 
@@ -199,3 +202,44 @@ async def test_workers_that_cannot_run_shards_are_left_out_or_named(model_path: 
     a.no_shards = b.no_shards = CANNOT
     with pytest.raises(BadRequest, match="No connected worker can run parts of split models"):
         planning_nodes(registry, None)
+
+
+class SlowStore(DeploymentStore):
+    """Stands in for the database with a read that stays open until the test lets it end."""
+
+    def __init__(self, specs: list[DeploymentSpec]) -> None:
+        self.specs = list(specs)
+        self.reading = threading.Event()
+        self.release = threading.Event()
+
+    def load(self) -> list[DeploymentSpec]:
+        snapshot = list(self.specs)
+        self.reading.set()
+        self.release.wait(5)
+        return snapshot
+
+    def save(self, spec: DeploymentSpec) -> None:
+        self.specs = [s for s in self.specs if s.name != spec.name] + [spec]
+
+    def delete(self, name: str) -> bool:
+        self.specs = [s for s in self.specs if s.name != name]
+        return True
+
+
+async def test_a_read_that_overlaps_an_undeploy_here_is_not_applied(model_path: Path) -> None:
+    """With several routers, deployments are reloaded every few seconds; a reload that read
+    the table before this router's own undeploy must not bring the deployment back."""
+    spec = DeploymentSpec("split", str(model_path), 1024, Strategy.BALANCED, None, "relayed")
+    store = SlowStore([spec])
+    controller = Deployments(Registry(), store, FakeTunnels(), lambda source: model_path)
+    store.release.set()
+    await controller.load()
+    assert await controller.stored() == [spec]  # nothing under way: the read counts
+    store.release.clear()
+    store.reading.clear()
+    reading = asyncio.create_task(controller.stored())
+    await asyncio.to_thread(store.reading.wait, 5)  # the read has its snapshot, with "split"
+    await controller.undeploy("split")
+    store.release.set()
+    assert await reading is None  # stale: skipped, the next sync reads again
+    assert await controller.stored() == []

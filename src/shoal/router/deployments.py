@@ -27,10 +27,11 @@ it holds (``deployment_sharing``), and shows the others as their holders publish
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -48,10 +49,10 @@ from shoal.protocol.messages import (
     ShardStop,
 )
 from shoal.router.deployment_leases import DeploymentLeases
+from shoal.router.deployment_nodes import deployment_nodes
 from shoal.router.deployment_sharing import Sharing
 from shoal.router.deployment_store import DeploymentStore
 from shoal.router.deployment_views import deployment_view
-from shoal.router.errors import BadRequest
 from shoal.router.workers import Registry, WorkerConnection
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,8 @@ class Deployments:
         self.resolve = resolve
         self.sharing = Sharing(leases) if leases is not None else None
         self.items: dict[str, Deployment] = {}
+        self._edits = 0  # writes of the stored deployments by this router's API, done
+        self._in_edit = 0  # and under way
         self._kv_per_layer: dict[str, int] = {}  # for reading layer counts from placements
         self._n_layers: dict[str, int] = {}
         self._wake = asyncio.Event()
@@ -124,7 +127,8 @@ class Deployments:
                 "first or choose another name"
             )
         if self.store is not None:
-            await asyncio.to_thread(self.store.save, spec)
+            with self._editing():
+                await asyncio.to_thread(self.store.save, spec)
         if old is not None:
             self._stop_shards(old, "redeployed with new settings")
         deployment = Deployment(spec)
@@ -142,7 +146,8 @@ class Deployments:
         if deployment is None:
             return None
         if self.store is not None:
-            await asyncio.to_thread(self.store.delete, name)
+            with self._editing():
+                await asyncio.to_thread(self.store.delete, name)
         self._stop_shards(deployment, "undeployed")
         if self.sharing is not None:
             await self.sharing.let_go(name)
@@ -250,7 +255,23 @@ class Deployments:
     # ------------------------------------------------------------ several routers
 
     async def stored(self) -> list[DeploymentSpec] | None:
-        return await asyncio.to_thread(self.store.load) if self.store is not None else None
+        """The stored deployments, or None when they cannot be trusted to match ``items``:
+        an API call here changed them while they were read (the next sync reads again)."""
+        if self.store is None:
+            return None
+        edits = self._edits
+        specs = await asyncio.to_thread(self.store.load)
+        return specs if self._edits == edits and not self._in_edit else None
+
+    @contextlib.contextmanager
+    def _editing(self) -> Iterator[None]:
+        """Around a write of the stored deployments by this router's API."""
+        self._in_edit += 1
+        try:
+            yield
+        finally:
+            self._in_edit -= 1
+            self._edits += 1
 
     def apply(self, specs: list[DeploymentSpec]) -> None:
         """The stored deployments, as another router may have changed them."""
@@ -273,7 +294,7 @@ class Deployments:
 
     def fits_here(self, d: Deployment) -> bool:
         """Whether ``d`` could be planned over this router's workers now (no side effects)."""
-        nodes = self._candidates(d)
+        nodes = deployment_nodes(self.registry, d.spec.workers)
         if isinstance(nodes, str):
             return False
         try:
@@ -302,29 +323,11 @@ class Deployments:
         return plan_for(info, nodes, d.spec.ctx, d.spec.strategy)
 
     def _nodes(self, d: Deployment) -> list[Node] | None:
-        nodes = self._candidates(d)
+        nodes = deployment_nodes(self.registry, d.spec.workers)
         if isinstance(nodes, str):
             self._pending(d, nodes)
             return None
         return nodes
-
-    def _candidates(self, d: Deployment) -> list[Node] | str:
-        """The planner's nodes for ``d`` among this router's workers, or why there are none."""
-        workers = [w for w in self.registry if w.ready]
-        if d.spec.workers is not None:
-            by_key = {w.id: w for w in workers} | {w.name: w for w in workers}
-            missing = [k for k in d.spec.workers if k not in by_key]
-            if missing:
-                return f"waiting for worker(s) {', '.join(missing)}"
-            workers = [by_key[k] for k in d.spec.workers]
-            unable = [f"{w.name}: {w.no_shards}" for w in workers if w.no_shards]
-            if unable:
-                return "; ".join(unable)
-        else:
-            workers = sorted((w for w in workers if not w.no_shards), key=lambda w: (w.name, w.id))
-        if not workers:
-            return "waiting for workers that can run parts of split models"
-        return split_nodes(workers)
 
     def _start(self, d: Deployment) -> None:
         planned = self._plan(d)
@@ -438,46 +441,6 @@ class Deployments:
         if self.sharing is None:
             return [self.view(d) for d in self.items.values()]
         return [self.sharing.view(d, self) for d in self.items.values()]
-
-
-def split_nodes(workers: list[WorkerConnection]) -> list[Node]:
-    """Planner nodes for ``workers`` in shard order: the first is the head, the rest stages.
-
-    A stage offers what its ``ggml-rpc-server`` computes on: the free VRAM of its GPUs, or
-    its RAM on the CPU. The head offers its RAM even with a GPU: llama.cpp lists RPC devices
-    before local GPUs and offloads the *last* layers, so the head's own (first) layers stay
-    on its CPU.
-    """
-    nodes = []
-    for n, w in enumerate(workers):
-        stage_memory = w.stage_memory_bytes if n > 0 else None
-        free = stage_memory if stage_memory is not None else w.ram_available_bytes
-        nodes.append(Node(id=w.id, free_bytes=free))
-    return nodes
-
-
-def planning_nodes(registry: Registry, wanted: list[str] | None) -> list[Node]:
-    """The nodes a dry-run plan is made over: ``wanted`` worker ids, else every worker that
-    can run parts of split models. Raises ``BadRequest`` naming what is wrong."""
-    workers: dict[str, WorkerConnection] = {w.id: w for w in registry}
-    if not workers:
-        raise BadRequest("No worker is connected; start workers before planning.")
-    if wanted is None:
-        ids = sorted(i for i, w in workers.items() if not w.no_shards)
-        if not ids:
-            reasons = "; ".join(f"{w.name}: {w.no_shards}" for w in workers.values())
-            raise BadRequest(f"No connected worker can run parts of split models ({reasons}).")
-        return split_nodes([workers[i] for i in ids])
-    unknown = [i for i in wanted if i not in workers]
-    if unknown or not wanted:
-        raise BadRequest(
-            f"Unknown worker id(s) {unknown}; connected: {', '.join(sorted(workers))}.",
-            param="workers",
-        )
-    unable = [f"{workers[i].name}: {workers[i].no_shards}" for i in wanted if workers[i].no_shards]
-    if unable:
-        raise BadRequest("; ".join(unable), param="workers")
-    return split_nodes([workers[i] for i in wanted])
 
 
 def _settings(spec: DeploymentSpec) -> DeploymentSpec:

@@ -20,7 +20,7 @@ from shoal.controller.profile import gguf_info, plan_for
 from shoal.models.errors import ModelError
 from shoal.models.resolve import resolve_model
 from shoal.router.context import context
-from shoal.router.deployments import planning_nodes
+from shoal.router.deployment_nodes import planning_nodes
 from shoal.router.errors import ModelNotFound
 from shoal.router.routes.common import json_response
 

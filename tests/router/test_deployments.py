@@ -8,10 +8,12 @@ import threading
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
 from socketless import worker_connection
 
 from shoal.controller.deployment import DeploymentSpec, DeploymentState
 from shoal.controller.placement import Strategy
+from shoal.keys.errors import DatabaseError
 from shoal.protocol.messages import (
     Message,
     RpcPeer,
@@ -22,6 +24,8 @@ from shoal.protocol.messages import (
     ShardStop,
     decode_router_message,
 )
+from shoal.router import deployment_sharing
+from shoal.router.deployment_leases import DeploymentLeases
 from shoal.router.deployment_nodes import planning_nodes, split_nodes
 from shoal.router.deployment_store import DeploymentStore
 from shoal.router.deployments import Deployments
@@ -243,3 +247,42 @@ async def test_a_read_that_overlaps_an_undeploy_here_is_not_applied(model_path: 
     store.release.set()
     assert await reading is None  # stale: skipped, the next sync reads again
     assert await controller.stored() == []
+
+
+class BrokenStore(SlowStore):
+    """Stands in for a database that has stopped answering."""
+
+    def load(self) -> list[DeploymentSpec]:
+        raise DatabaseError("cannot read the deployments: the database failed: gone")
+
+
+async def test_a_failing_database_does_not_stop_the_splits_this_router_runs(
+    model_path: Path, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(deployment_sharing, "SYNC_S", 0.1)  # renewals well within the TTL
+    registry = Registry()
+    for name in "abc":
+        connect(registry, name)
+    client = aioredis.Redis(host="127.0.0.1", port=6379)
+    try:
+        leases = DeploymentLeases(client, redis_prefix, "router-a", ttl_s=0.5)
+        controller = Deployments(registry, None, FakeTunnels(), lambda s: model_path, leases)
+        spec = DeploymentSpec("split", str(model_path), 1024, Strategy.BALANCED, None, "relayed")
+        await controller.deploy(spec)
+        sharing = controller.sharing
+        assert sharing is not None
+        task = asyncio.create_task(controller.run())
+        try:
+            async with asyncio.timeout(5):
+                while "split" not in sharing.mine:
+                    await asyncio.sleep(0.01)
+            controller.store = BrokenStore([])  # the database goes away
+            await asyncio.sleep(1.5)  # three lease lifetimes: renewed all along
+            assert "split" in sharing.mine
+            assert controller.items["split"].state is DeploymentState.STARTING
+            other = DeploymentLeases(client, redis_prefix, "router-b", ttl_s=0.5)
+            assert await other.hold("split") == "router-a"
+        finally:
+            task.cancel()
+    finally:
+        await client.aclose()

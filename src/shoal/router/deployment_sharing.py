@@ -70,18 +70,10 @@ class Sharing:
             try:
                 await self._sync(here)
                 self._outage.succeeded()
-                if self._database_down:
-                    log.info("deployments: the database answers again")
-                self._database_down = False
                 self._renewed_at = time.monotonic()
-            except (*REDIS_DOWN, DatabaseError) as exc:
+            except REDIS_DOWN as exc:
                 raise_if_cancelled()
-                if isinstance(exc, DatabaseError):
-                    if not self._database_down:
-                        log.warning("deployments: %s; trying again every %g s", exc, SYNC_S)
-                    self._database_down = True
-                else:
-                    self._outage.failed("deployment leases", exc)
+                self._outage.failed("deployment leases", exc)
                 if time.monotonic() - self._renewed_at > self.leases.ttl_ms / 1000:
                     for name in list(self.mine):  # another router may hold them by now
                         self.mine.discard(name)
@@ -94,7 +86,7 @@ class Sharing:
                 pass
 
     async def _sync(self, here: Here) -> None:
-        specs = await here.stored()
+        specs = await self._stored(here)
         if specs is not None:
             here.apply(specs)
             self.mine &= set(here.items)
@@ -121,6 +113,21 @@ class Sharing:
                 log.info("deployment %s: this router runs it (its workers fit it)", name)
                 here.wake()
         self.elsewhere = await leases.held([n for n in here.items if n not in self.mine])
+
+    async def _stored(self, here: Here) -> list[DeploymentSpec] | None:
+        """The stored deployments; None while the database fails (leases are still renewed:
+        the deployments running here go on)."""
+        try:
+            specs = await here.stored()
+        except DatabaseError as exc:
+            if not self._database_down:
+                log.warning("deployments: %s; reading them again every %g s", exc, SYNC_S)
+            self._database_down = True
+            return None
+        if self._database_down:
+            log.info("deployments: the database answers again")
+        self._database_down = False
+        return specs
 
     async def let_go(self, name: str) -> None:
         """``name`` was undeployed here."""

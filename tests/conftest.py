@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
+import psycopg
 import pytest
 import redis
 
@@ -119,6 +120,24 @@ def redis_prefix() -> Iterator[str]:
             client.unlink(key)
     finally:
         client.close()
+
+
+PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
+"""The machine's real PostgreSQL (trust auth) and its ``test`` database."""
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A database URL with a schema of this test's own (``options=-csearch_path``, as a user
+    would write it); the schema is dropped after."""
+    schema = f"shoal_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+    try:
+        yield f"{PG_ADMIN}?options=-csearch_path%3D{schema}"
+    finally:
+        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 @pytest.fixture(scope="session")

@@ -8,31 +8,15 @@ import json
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Iterator
 
 import httpx
-import psycopg
 import pytest
 
 from cluster import MODEL, Cluster, clean_env, wait_until
 
 pytestmark = pytest.mark.e2e
 
-PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
 CHAT = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    schema = f"shoal_e2e_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-        conn.execute(f'CREATE SCHEMA "{schema}"')
-    try:
-        yield f"{PG_ADMIN}?options=-csearch_path%3D{schema}"
-    finally:
-        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 def shoal_keys(database_url: str, *args: str) -> dict[str, object]:

@@ -8,11 +8,7 @@ default model, a real Redis under a key prefix of the test's own and a schema of
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
-
 import httpx
-import psycopg
 import pytest
 from splits import PROMPTS, ask, deployment, rpc_servers, status
 
@@ -21,19 +17,6 @@ from cluster import MODEL, Cluster, Router, wait_until
 pytestmark = pytest.mark.e2e
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
-PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    schema = f"shoal_e2e_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-        conn.execute(f'CREATE SCHEMA "{schema}"')
-    try:
-        yield f"{PG_ADMIN}?options=-csearch_path%3D{schema}"
-    finally:
-        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 def served(router: Router) -> list[str]:

@@ -7,25 +7,14 @@ would, and the schema is dropped afterwards.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from keydb import StoreFactory, pg_execute
+from keydb import StoreFactory
 
 from shoal.keys import KeyStore, open_store
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    schema = f"shoal_test_{uuid.uuid4().hex[:12]}"
-    pg_execute(f'CREATE SCHEMA "{schema}"')
-    try:
-        yield f"postgresql://postgres@127.0.0.1:5432/test?options=-csearch_path%3D{schema}"
-    finally:
-        pg_execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 @pytest.fixture

@@ -95,9 +95,11 @@ class RpcCache:
         path.unlink(missing_ok=True)
         return False
 
-    def put(self, data: bytes) -> int:
-        """Store ``data`` under its hash (atomically); returns the hash."""
-        digest = tensor_hash(data)
+    def put(self, data: bytes, digest: int | None = None) -> int:
+        """Store ``data`` under its hash (atomically); returns the hash. ``digest``: the hash
+        of ``data`` when the caller has it already."""
+        if digest is None:
+            digest = tensor_hash(data)
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.path(digest)
         part = path.with_name(f".{path.name}.{os.getpid()}.part")

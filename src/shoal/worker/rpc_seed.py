@@ -20,8 +20,9 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
-from shoal.llama_cpp.rpc_cache import RpcCache
+from shoal.llama_cpp.rpc_cache import RpcCache, tensor_hash
 from shoal.models.gguf_info import TensorInfo, inspect_cached
 from shoal.models.stage_tensors import stage_tensors
 from shoal.protocol.shards import SeedReport
@@ -54,18 +55,10 @@ def seed(cache: RpcCache, order: SeedOrder) -> SeedReport:
     digests: list[int] = []
     with order.gguf.open("rb") as f:
         for t in tensors:
-            digest = index.get(t)
-            if digest is not None and cache.has(digest, t.nbytes):
-                cached += 1
-            else:
-                f.seek(t.offset)
-                data = f.read(t.nbytes)
-                if len(data) != t.nbytes:
-                    raise OSError(f"{order.gguf} ends inside tensor {t.name}")
-                digest = cache.put(data)
-                fetched += t.nbytes
-                index.set(t, digest)
+            digest, read = _seed_one(cache, index, f, t)
             digests.append(digest)
+            cached += read == 0
+            fetched += read
     index.save()
     cache.evict(keep=digests)
     report = SeedReport(
@@ -88,6 +81,28 @@ def seed(cache: RpcCache, order: SeedOrder) -> SeedReport:
         report.seconds,
     )
     return report
+
+
+def _seed_one(cache: RpcCache, index: _Index, f: BinaryIO, t: TensorInfo) -> tuple[int, int]:
+    """One tensor into the cache: its hash, and the bytes read for it (0: it was there)."""
+    digest = index.get(t)
+    if digest is not None and cache.has(digest, t.nbytes):
+        return digest, 0
+    data = _read(f, t)
+    digest = tensor_hash(data)
+    index.set(t, digest)
+    if cache.has(digest, t.nbytes):  # the index did not know it (ggml-rpc-server saved it)
+        return digest, 0
+    cache.put(data, digest)
+    return digest, t.nbytes
+
+
+def _read(f: BinaryIO, t: TensorInfo) -> bytes:
+    f.seek(t.offset)
+    data = f.read(t.nbytes)
+    if len(data) != t.nbytes:
+        raise OSError(f"the file ends inside tensor {t.name}")
+    return data
 
 
 def _file_key(path: Path) -> str:
@@ -121,8 +136,12 @@ class _Index:
         self.changed = True
 
     def save(self) -> None:
+        """Write it back, merged with what other stages on this machine saved meanwhile."""
         if not self.changed:
             return
+        mine = self.data.get(self.file_key, {})
+        self.data = _Index(self.path, self.file_key).data
+        self.data[self.file_key] = self.data.get(self.file_key, {}) | mine
         self.path.parent.mkdir(parents=True, exist_ok=True)
         part = self.path.with_name(f".{self.path.name}.{os.getpid()}.part")
         part.write_text(json.dumps(self.data))

@@ -55,7 +55,7 @@ from shoal.worker.link import (
 )
 from shoal.worker.llama_server import LlamaServer
 from shoal.worker.outbox import Outbox
-from shoal.worker.plan import Plan, local_model, needs_router_default, plan
+from shoal.worker.plan import Plan, layer_slice, local_model, needs_router_default, plan
 from shoal.worker.redis_pull import RedisPuller, redis_address, redis_client
 from shoal.worker.runner import JobRunner
 from shoal.worker.settings import WorkerSettings
@@ -363,6 +363,10 @@ def _shard_tools(
     def resolve(source: str) -> Path:
         return local_model(own, source, machine).path
 
+    def layer_source(source: str, first: int, last: int) -> tuple[Path, str]:
+        sliced = layer_slice(own, source, first, last)
+        return (sliced, "store") if sliced is not None else (resolve(source), "local")
+
     names = hardware.device_names(machine, settings.gpu_devices)
 
     def devices() -> tuple[ComputeDevice, ...]:
@@ -381,6 +385,7 @@ def _shard_tools(
         env=tuple(env.items()),
         rpc_host=settings.rpc_host,
         resolve=resolve,
+        layer_source=layer_source,
         devices=devices,
         rpc_cache=_rpc_cache(settings, build),
     )

@@ -91,6 +91,9 @@ class ShardTools:
     """Direct mode: the address stages listen on (None: this worker refuses direct mode)."""
     resolve: Callable[[str], Path]
     """A model source (catalog id, model-store id, path) -> the GGUF on this machine. Blocking."""
+    layer_source: Callable[[str, int, int], tuple[Path, str]]
+    """A model source and a stage's layers -> a GGUF holding at least those layers' tensors
+    (a model-store model: only the store's pull of them), and ``local`` or ``store``. Blocking."""
     devices: Callable[[], tuple[ComputeDevice, ...]]
     """The devices a stage computes on, listed now (``llama_cpp.devices``; () for the CPU).
     Blocking."""
@@ -278,8 +281,8 @@ class ShardHost:
             return None
         began = time.monotonic()
         try:
-            path = await asyncio.to_thread(self.tools.resolve, spec.source)
-            order = SeedOrder(spec.deployment, path, *spec.layers, output=spec.output)
+            path, kind = await asyncio.to_thread(self.tools.layer_source, spec.source, *spec.layers)
+            order = SeedOrder(spec.deployment, path, *spec.layers, spec.output, kind)
             return await asyncio.to_thread(seed, cache, order)
         except (OSError, ValueError, ModelError) as exc:  # a source we cannot get, read or parse
             log.warning("deployment %s: pre-seeding failed: %s", spec.deployment, exc)

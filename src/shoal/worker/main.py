@@ -363,9 +363,15 @@ def _shard_tools(
     def resolve(source: str) -> Path:
         return local_model(own, source, machine).path
 
+    # A stage seeds from a copy it has, never a whole download: the head can send the weights
+    # for less (a catalog model may also resolve to another quantization here than on the head).
+    at_hand = own.model_copy(update={"offline": True})
+
     def layer_source(source: str, first: int, last: int) -> tuple[Path, str]:
         sliced = layer_slice(own, source, first, last)
-        return (sliced, "store") if sliced is not None else (resolve(source), "local")
+        if sliced is not None:
+            return sliced, "store"
+        return local_model(at_hand, source, machine).path, "local"
 
     names = hardware.device_names(machine, settings.gpu_devices)
 

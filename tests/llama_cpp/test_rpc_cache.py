@@ -19,6 +19,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cluster import Proc, clean_env, free_port, wait_until
 from shoal.llama_cpp.binaries import rpc_server_beside
@@ -255,3 +257,30 @@ def test_a_preseeded_stage_receives_no_weights(split: Split, tmp_path: Path) -> 
 
     again = seed(RpcCache(seeded, max_bytes=1 << 40), order)
     assert again.cached == again.tensors and again.fetched_bytes == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 400), min_size=1, max_size=8),
+    budget=st.integers(0, 2000),
+    keep=st.sets(st.integers(0, 7)),
+)
+def test_eviction_keeps_the_newest_that_fit_and_what_it_must(
+    tmp_path_factory: pytest.TempPathFactory, sizes: list[int], budget: int, keep: set[int]
+) -> None:
+    cache = RpcCache(tmp_path_factory.mktemp("lru"), max_bytes=budget)
+    digests = []
+    for n, size in enumerate(sizes):  # entry n is older than n + 1
+        digest = cache.put(n.to_bytes(2, "little") * size)
+        os.utime(cache.path(digest), ns=(n * 10**9, n * 10**9))
+        digests.append(digest)
+    kept = [digests[i] for i in keep if i < len(digests)]
+    cache.evict(keep=kept)
+    left = {p.name for p in cache.entries()}
+    assert {entry_name(d) for d in kept} <= left
+    total = cache.size()
+    assert total <= budget or left == {entry_name(d) for d in kept}
+    # Only the oldest went: an entry left is never older than one evicted (kept ones aside).
+    gone = [n for n, d in enumerate(digests) if entry_name(d) not in left]
+    stayed = [n for n, d in enumerate(digests) if entry_name(d) in left and d not in kept]
+    assert not gone or not stayed or max(gone) < min(stayed)

@@ -12,6 +12,7 @@ import psycopg
 import pytest
 import redis
 
+from big_gguf import big_tensor_gguf
 from cluster import API_KEY, Cluster, llama_server_pids
 from shoal.keys import KeyStore, open_store
 from shoal.llama_cpp.errors import LlamaCppError
@@ -63,6 +64,13 @@ def model_path(cache_dir: Path) -> Path:
         return resolve_model(DEFAULT_MODEL.id, cache_dir, download=False).path
     except ModelError as exc:
         pytest.fail(f"{exc}; {SETUP_HINT}")
+
+
+@pytest.fixture(scope="session")
+def big_gguf(cache_dir: Path, model_path: Path) -> Path:
+    """A 3-layer GGUF whose FFN tensors are over llama.cpp's 10 MiB RPC hash threshold
+    (``big_gguf.py``), made once into the cache folder with the default model's tokenizer."""
+    return big_tensor_gguf(cache_dir / "test-models", model_path)
 
 
 def _cluster(base: Path, llama_server: Path, model_path: Path) -> Iterator[Cluster]:

@@ -40,3 +40,10 @@ def logs_dir(cache_dir: Path) -> Path:
 def llama_cpp_lock_file(cache_dir: Path, version: str, backend: str) -> Path:
     """Lock file held while one process builds llama.cpp for this version and backend."""
     return cache_dir / "llama.cpp" / f"{version}-{backend}.lock"
+
+
+def rpc_cache_dir(cache_dir: Path, build: str) -> Path:
+    """``LLAMA_CACHE`` for one llama.cpp build's ``ggml-rpc-server -c``: it keeps its tensor
+    files in ``rpc/`` below (``llama_cpp.rpc_cache``)."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in build) or "unknown"
+    return cache_dir / "rpc-cache" / safe

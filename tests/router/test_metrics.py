@@ -387,3 +387,13 @@ async def test_request_metrics_label_by_route_template_and_status() -> None:
     assert (
         value(all_samples, "shoal_request_duration_seconds_count", route="/things/{thing_id}") == 4
     )
+
+
+def test_tunnel_bytes_are_a_counter_per_deployment_and_direction() -> None:
+    m = Metrics(lambda: Snapshot(tunnel_bytes={"big": (123_456, 789)}))
+    samples = scrape(m)
+    assert value(samples, "shoal_tunnel_bytes_total", deployment="big", direction="to_stages") == (
+        123_456
+    )
+    assert value(samples, "shoal_tunnel_bytes_total", deployment="big", direction="to_head") == 789
+    assert "# TYPE shoal_tunnel_bytes_total counter" in m.render()[0].decode()

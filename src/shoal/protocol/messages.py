@@ -22,6 +22,7 @@ from shoal.protocol.ids import JobId, ModelName, WorkerId
 from shoal.protocol.shards import (
     DevicePlacement,
     RpcPeer,
+    SeedReport,
     ShardRole,
     ShardStart,
     ShardState,
@@ -30,7 +31,7 @@ from shoal.protocol.shards import (
     TunnelDial,
 )
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Bumped on any incompatible change; a router refuses workers that speak another version."""
 
 WS_PATH = "/ws/worker"
@@ -405,6 +406,7 @@ __all__ = [
     "RouterMessage",
     "RpcPeer",
     "ShardRole",
+    "SeedReport",
     "ShardStart",
     "ShardState",
     "ShardStatus",

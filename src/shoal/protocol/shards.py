@@ -46,6 +46,27 @@ class DevicePlacement(Message):
     kv_bytes: int = 0
 
 
+class SeedReport(Message):
+    """What a stage put into its ``ggml-rpc-server`` cache before it started.
+
+    The head then sends none of these tensors' bytes: llama.cpp asks the stage for each by
+    hash first (``llama_cpp.rpc_cache``).
+    """
+
+    tensors: int
+    """The stage's weight tensors that llama.cpp looks up by hash (over 10 MiB)."""
+    bytes: int
+    cached: int = 0
+    """How many of them were in the cache already (checked by hash)."""
+    fetched_bytes: int = 0
+    """Bytes read from the source to fill the rest."""
+    seconds: float
+    source: str = ""
+    """Where the bytes came from: ``local`` (a copy of the GGUF on the worker) or ``store``."""
+    error: str | None = None
+    """Pre-seeding failed (the stage starts anyway; the head sends the weights)."""
+
+
 class ShardStatus(Message):
     """A shard's state changed (worker -> router)."""
 
@@ -62,6 +83,8 @@ class ShardStatus(Message):
     """A ready stage: the free bytes of each device its ``ggml-rpc-server`` serves, in its
     order (the head splits the stage's layers over them); () for the CPU."""
     placement: tuple[DevicePlacement, ...] = ()
+    seed: SeedReport | None = None
+    """A stage: what it pre-seeded (None: it has not, or does not)."""
 
 
 # ---------------------------------------------------------------- router -> worker
@@ -99,6 +122,11 @@ class ShardStart(Message):
     peers: tuple[RpcPeer, ...] = ()
     direct: bool = False
     """Stage: listen for the head on the worker's ``--rpc-host`` instead of 127.0.0.1."""
+    layers: tuple[int, int] | None = None
+    """Stage: the first and last repeating layer the plan gives it (both inclusive): it
+    pre-seeds their tensors into its RPC cache before it starts."""
+    output: bool = False
+    """Stage: it also holds the output layer (the last stage)."""
 
 
 class ShardStop(Message):

@@ -29,7 +29,12 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
-from prometheus_client.metrics_core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shoal.protocol.messages import BackendState
@@ -137,6 +142,9 @@ class Snapshot:
     """Deployment -> shard state -> shards in it (distributed-inference deployments)."""
     key_queue_depth: Mapping[str, int] = field(default_factory=dict)
     """API key id (or ``anonymous``/flag tenant) -> its requests waiting in this router."""
+    tunnel_bytes: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Deployment -> bytes its RPC tunnels carried through this router (to the stages, to
+    the head), since this router started running it."""
 
 
 SnapshotSource = Callable[[], Snapshot]
@@ -243,6 +251,16 @@ class _ScrapeCollector:
             for state, count in sorted(states.items()):
                 shards.add_metric([deployment, state], count)
         yield shards
+        tunnel = CounterMetricFamily(
+            "shoal_tunnel_bytes",
+            "Bytes relayed through this router's RPC tunnels, per split-model deployment and "
+            "direction (to_stages: weights at load and activations; to_head: results).",
+            labels=["deployment", "direction"],
+        )
+        for deployment, (to_stages, to_head) in sorted(snap.tunnel_bytes.items()):
+            tunnel.add_metric([deployment, "to_stages"], to_stages)
+            tunnel.add_metric([deployment, "to_head"], to_head)
+        yield tunnel
         for histogram in self.histograms:
             yield histogram.family()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from shoal.router.deployments.controller import Deployments
+from shoal.router.deployments.deployment import TunnelBytes
 from shoal.router.dispatch.interface import Dispatcher
 from shoal.router.metrics import Snapshot
 from shoal.router.workers import Registry
@@ -26,10 +27,16 @@ def snapshot(registry: Registry, dispatcher: Dispatcher, deployments: Deployment
     shards = {
         d.name: dict(Counter(s.state.value for s in d.shards)) for d in deployments.items.values()
     }
+    relayed = [d.name for d in deployments.items.values() if d.spec.mode == "relayed"]
     return Snapshot(
         queue_depth=depth,
         workers=dict(workers),
         ready_slots=dict(free),
         shards=shards,
         key_queue_depth=dict(dispatcher.waiting_by_key()),
+        tunnel_bytes={name: _pair(deployments.tunnels.traffic(name)) for name in relayed},
     )
+
+
+def _pair(t: TunnelBytes) -> tuple[int, int]:
+    return (t.to_stages, t.to_head)

@@ -25,10 +25,11 @@ from shoal.hardware.profile import MachineProfile
 from shoal.llama_cpp.devices import ComputeDevice, list_devices, stage_devices
 from shoal.llama_cpp.errors import LlamaCppError
 from shoal.llama_cpp.options import binaries as llama_cpp_binaries
+from shoal.llama_cpp.rpc_cache import RpcCache
 from shoal.llama_cpp.threads import shard_env, stage_threads
 from shoal.llama_cpp.version import server_version
 from shoal.models.default import DEFAULT_MODEL
-from shoal.paths import logs_dir
+from shoal.paths import logs_dir, rpc_cache_dir
 from shoal.protocol.ids import WorkerId, new_worker_id
 from shoal.protocol.messages import (
     IMAGE_ENDPOINTS,
@@ -39,6 +40,7 @@ from shoal.protocol.messages import (
     ModelInfo,
     Register,
 )
+from shoal.units import GIB
 from shoal.worker import hardware
 from shoal.worker.attached import AttachedServer
 from shoal.worker.backend import Backend, BackendTarget, discover_model
@@ -53,7 +55,7 @@ from shoal.worker.link import (
 )
 from shoal.worker.llama_server import LlamaServer
 from shoal.worker.outbox import Outbox
-from shoal.worker.plan import Plan, local_model, needs_router_default, plan
+from shoal.worker.plan import Plan, layer_slice, local_model, needs_router_default, plan
 from shoal.worker.redis_pull import RedisPuller, redis_address, redis_client
 from shoal.worker.runner import JobRunner
 from shoal.worker.settings import WorkerSettings
@@ -361,25 +363,46 @@ def _shard_tools(
     def resolve(source: str) -> Path:
         return local_model(own, source, machine).path
 
+    # A stage seeds from a copy it has, never a whole download: the head can send the weights
+    # for less (a catalog model may also resolve to another quantization here than on the head).
+    at_hand = own.model_copy(update={"offline": True})
+
+    def layer_source(source: str, first: int, last: int) -> tuple[Path, str]:
+        sliced = layer_slice(own, source, first, last)
+        if sliced is not None:
+            return sliced, "store"
+        return local_model(at_hand, source, machine).path, "local"
+
     names = hardware.device_names(machine, settings.gpu_devices)
 
     def devices() -> tuple[ComputeDevice, ...]:
         return stage_devices(list_devices(found.llama_server), names)
 
     env = shard_env(os.environ) | hardware.device_environment(machine, settings.gpu_devices)
+    build = server_version(found.llama_server)
 
     return ShardTools(
         llama_server=found.llama_server,
         rpc_server=found.rpc_server,
-        build=server_version(found.llama_server),
+        build=build,
         logs=logs_dir(settings.cache_dir),
         threads=settings.threads,
         stage_threads=stage_threads(settings.threads, machine.cpu),
         env=tuple(env.items()),
         rpc_host=settings.rpc_host,
         resolve=resolve,
+        layer_source=layer_source,
         devices=devices,
+        rpc_cache=_rpc_cache(settings, build),
     )
+
+
+def _rpc_cache(settings: WorkerSettings, build: str) -> RpcCache | None:
+    """ggml-rpc-server's tensor cache for this llama.cpp build (None: turned off)."""
+    if settings.rpc_cache_max <= 0:
+        return None
+    folder = rpc_cache_dir(settings.rpc_cache_dir or settings.cache_dir, build)
+    return RpcCache(folder, int(settings.rpc_cache_max * GIB))
 
 
 def _backend_session() -> aiohttp.ClientSession:

@@ -13,7 +13,9 @@ import asyncio
 import logging
 import os
 import shlex
+import ssl
 from dataclasses import dataclass
+from pathlib import Path
 
 from shoal.hardware.detect import parse_gpu_devices
 from shoal.hardware.profile import MachineProfile
@@ -21,7 +23,7 @@ from shoal.llama_cpp.options import binaries as llama_cpp_binaries
 from shoal.models.default import DEFAULT_MODEL
 from shoal.models.hub import HubConfig
 from shoal.models.resolve import FitContext, LocalModel, resolve_model
-from shoal.models.store_client import fetch_from_store
+from shoal.models.store_client import fetch_from_store, fetch_ranges, request_pull
 from shoal.paths import logs_dir, models_dir
 from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import Endpoint, ModelInfo
@@ -155,14 +157,40 @@ def local_model(settings: WorkerSettings, model: str, machine: MachineProfile) -
             fit=fit,
             hub=hub,
         )
-    key = settings.gpu_key.get_secret_value() if settings.gpu_key else None
+    key, tls = _store_access(settings)
     dest = models_dir(settings.cache_dir) / "store"
-    try:
-        tls = client_tls_context(settings.tls_ca)
-    except Refusal as exc:
-        raise WorkerConfigError(str(exc)) from None
     path = asyncio.run(fetch_from_store(settings.model_store, model, dest, api_key=key, tls=tls))
     return LocalModel(id=model.lower(), path=path)
+
+
+def layer_slice(settings: WorkerSettings, model: str, first: int, last: int) -> Path | None:
+    """Only what layers ``first..last`` need of a model-store model, as a sparse GGUF of full
+    size (the store's pull plan: header, those layers, and the output layer with the last);
+    None when the model does not come from the store. A slice once fetched is kept. Blocking.
+    """
+    if settings.model_store is None or model.lower().endswith(".gguf"):
+        return None
+    key, tls = _store_access(settings)
+    base = settings.model_store
+
+    async def fetch() -> Path:
+        plan = await request_pull(base, model, first, last, api_key=key, tls=tls)
+        dest = models_dir(settings.cache_dir) / "store-layers"
+        dest = dest / f"{plan.sha256[:16]}-layers-{first}-{last}.gguf"
+        if not dest.exists():  # fetch_ranges renames it into place only once complete
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            await fetch_ranges(base, plan, dest, api_key=key, tls=tls)
+        return dest
+
+    return asyncio.run(fetch())
+
+
+def _store_access(settings: WorkerSettings) -> tuple[str | None, ssl.SSLContext]:
+    key = settings.gpu_key.get_secret_value() if settings.gpu_key else None
+    try:
+        return key, client_tls_context(settings.tls_ca)
+    except Refusal as exc:
+        raise WorkerConfigError(str(exc)) from None
 
 
 def _extra_args(text: str) -> tuple[str, ...]:

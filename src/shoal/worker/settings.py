@@ -191,6 +191,18 @@ class WorkerSettings(LlamaCppOptions):
         "this worker's ggml-rpc-server (which has no authentication) listens on for a head to "
         "dial. Default: it listens on 127.0.0.1 only, reached through the router's tunnel.",
     )
+    rpc_cache_max: float = Field(
+        64.0,
+        ge=0,
+        description="GiB of split-model weights this worker keeps in ggml-rpc-server's tensor "
+        "cache (least recently used out). A stage pre-seeds its layers there, so a head sends "
+        "it no weights; 0 turns the cache and pre-seeding off.",
+    )
+    rpc_cache_dir: Path | None = Field(
+        None,
+        description="The folder that holds that cache (in rpc-cache/<llama.cpp build>/ "
+        "below it); default: the cache folder.",
+    )
 
     @field_validator("router_url")
     @classmethod

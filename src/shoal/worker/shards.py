@@ -3,6 +3,9 @@
 A **stage** runs ``ggml-rpc-server`` on 127.0.0.1 (it has no authentication); the head
 reaches it through the router's tunnel (``TunnelDial`` asks this worker to connect one more
 head connection to it), or, in direct mode on a trusted network, straight at ``--rpc-host``.
+With the RPC cache on (``--rpc-cache-max``), it first pre-seeds its layers' weights into the
+cache (``rpc_seed``) and runs ``ggml-rpc-server -c``: the head then sends it no weights over
+10 MiB.
 
 A **head** loads the whole GGUF in ``llama-server --rpc <stages> -ngl N --tensor-split ...``
 with an explicit context and no automatic fit, so the layers land where the plan says; it
@@ -37,9 +40,12 @@ import aiohttp
 
 from shoal.llama_cpp.devices import ComputeDevice
 from shoal.llama_cpp.load_log import placement
+from shoal.llama_cpp.rpc_cache import RpcCache
+from shoal.models.errors import ModelError
 from shoal.protocol.messages import BackendState, Endpoint, Message, ModelInfo
 from shoal.protocol.shards import (
     DevicePlacement,
+    SeedReport,
     ShardRole,
     ShardStart,
     ShardState,
@@ -49,6 +55,7 @@ from shoal.protocol.shards import (
 from shoal.worker.backend import Backend, BackendTarget
 from shoal.worker.lifecycle import Lifecycle
 from shoal.worker.llama_server import LlamaServer, LlamaServerConfig, free_port, stop_process
+from shoal.worker.rpc_seed import SeedOrder, seed
 from shoal.worker.runner import JobRunner
 from shoal.worker.tunnels import TunnelEnds
 
@@ -84,9 +91,14 @@ class ShardTools:
     """Direct mode: the address stages listen on (None: this worker refuses direct mode)."""
     resolve: Callable[[str], Path]
     """A model source (catalog id, model-store id, path) -> the GGUF on this machine. Blocking."""
+    layer_source: Callable[[str, int, int], tuple[Path, str]]
+    """A model source and a stage's layers -> a GGUF holding at least those layers' tensors
+    (a model-store model: only the store's pull of them), and ``local`` or ``store``. Blocking."""
     devices: Callable[[], tuple[ComputeDevice, ...]]
     """The devices a stage computes on, listed now (``llama_cpp.devices``; () for the CPU).
     Blocking."""
+    rpc_cache: RpcCache | None
+    """``ggml-rpc-server -c``'s cache, which stages pre-seed (None: no cache, no seeding)."""
 
 
 @dataclass(eq=False)
@@ -97,6 +109,7 @@ class _Shard:
     devices: tuple[int, ...] = ()
     """A stage: the free bytes of each device its ggml-rpc-server serves (() for the CPU)."""
     placement: tuple[DevicePlacement, ...] = ()
+    seed: SeedReport | None = None
     changed_at: float = field(default_factory=time.monotonic)
     life: Lifecycle[ShardState] = field(init=False)
 
@@ -228,9 +241,14 @@ class ShardHost:
                     "on; trusted networks only)"
                 )
             host = self.tools.rpc_host
+        env = {**os.environ, **dict(self.tools.env)}
+        argv = [str(self.tools.rpc_server), "-t", str(self.tools.stage_threads)]
+        if self.tools.rpc_cache is not None:
+            shard.seed = await self._seed(spec, self.tools.rpc_cache)
+            argv.append("-c")
+            env["LLAMA_CACHE"] = str(self.tools.rpc_cache.llama_cache)
         port = free_port(host)
-        argv = [str(self.tools.rpc_server), "-H", host, "-p", str(port)]
-        argv += ["-t", str(self.tools.stage_threads)]
+        argv += ["-H", host, "-p", str(port)]
         devices = await asyncio.to_thread(self.tools.devices)
         if devices:
             argv += ["-d", ",".join(d.name for d in devices)]
@@ -244,7 +262,7 @@ class ShardHost:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=logf,
                 stderr=logf,
-                env={**os.environ, **dict(self.tools.env)},
+                env=env,
             )
             try:
                 await _wait_listening(host, port, proc)
@@ -255,6 +273,22 @@ class ShardHost:
                 raise RuntimeError(f"ggml-rpc-server exited with code {code}; log: {log_file}")
             finally:
                 await stop_process(proc)
+
+    async def _seed(self, spec: ShardStart, cache: RpcCache) -> SeedReport | None:
+        """Pre-seed the stage's layers into the cache; a failure is reported, not fatal (the
+        head then sends the weights itself)."""
+        if spec.layers is None:
+            return None
+        began = time.monotonic()
+        try:
+            path, kind = await asyncio.to_thread(self.tools.layer_source, spec.source, *spec.layers)
+            order = SeedOrder(spec.deployment, path, *spec.layers, spec.output, kind)
+            return await asyncio.to_thread(seed, cache, order)
+        except (OSError, ValueError, ModelError) as exc:  # a source we cannot get, read or parse
+            log.warning("deployment %s: pre-seeding failed: %s", spec.deployment, exc)
+            return SeedReport(
+                tensors=0, bytes=0, seconds=round(time.monotonic() - began, 3), error=str(exc)
+            )
 
     async def _head(self, shard: _Shard) -> None:
         spec = shard.spec
@@ -334,6 +368,7 @@ class ShardHost:
             rpc_address=address,
             devices=shard.devices,
             placement=shard.placement,
+            seed=shard.seed,
         )
 
 

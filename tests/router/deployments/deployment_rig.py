@@ -17,7 +17,7 @@ from shoal.protocol.messages import (
     decode_router_message,
 )
 from shoal.router.deployments.controller import Deployments
-from shoal.router.deployments.deployment import DeploymentSpec
+from shoal.router.deployments.deployment import DeploymentSpec, TunnelBytes
 from shoal.router.deployments.placement import Strategy
 from shoal.router.deployments.store import DeploymentStore
 from shoal.router.workers import Registry, WorkerConnection
@@ -30,6 +30,7 @@ class FakeTunnels:
 
     def __init__(self) -> None:
         self.closed: list[str] = []
+        self.carried: dict[str, TunnelBytes] = {}
 
     def open(self, deployment: str, stage: WorkerConnection) -> RpcPeer:
         return RpcPeer(
@@ -38,6 +39,9 @@ class FakeTunnels:
 
     def close(self, deployment: str) -> None:
         self.closed.append(deployment)
+
+    def traffic(self, deployment: str) -> TunnelBytes:
+        return self.carried.get(deployment, TunnelBytes())
 
 
 def connect(registry: Registry, name: str, ram: int = 8 * GIB) -> WorkerConnection:

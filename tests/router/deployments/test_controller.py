@@ -10,9 +10,21 @@ import pytest
 from deployment_rig import GIB, FakeTunnels, connect, deployed, sent, specs, status
 
 from router.socketless import worker_connection
-from shoal.protocol.messages import ShardRole, ShardStart, ShardState, ShardStatus, ShardStop
+from shoal.protocol.messages import (
+    SeedReport,
+    ShardRole,
+    ShardStart,
+    ShardState,
+    ShardStatus,
+    ShardStop,
+)
 from shoal.router.deployments.controller import Deployments
-from shoal.router.deployments.deployment import Deployment, DeploymentSpec, DeploymentState
+from shoal.router.deployments.deployment import (
+    Deployment,
+    DeploymentSpec,
+    DeploymentState,
+    TunnelBytes,
+)
 from shoal.router.deployments.nodes import planning_nodes
 from shoal.router.deployments.placement import Strategy
 from shoal.router.errors import BadRequest
@@ -205,3 +217,33 @@ async def test_a_worker_named_by_name_that_restarts_with_a_new_id_is_used_again(
     controller.on_registered(restarted)
     await started_again(controller, d)
     assert [s.worker_id for s in d.shards] == ["a-1", "b-2"]
+
+
+async def test_stages_learn_their_layers_and_the_view_shows_seeding_and_deploy_cost(
+    model_path: Path, tmp_path: Path
+) -> None:
+    registry = Registry()
+    a, b, c = (connect(registry, n) for n in "abc")
+    controller = await deployed(model_path, registry, tmp_path)
+    assert isinstance(controller.tunnels, FakeTunnels)
+    starts = [sent(w)[0] for w in (b, c)]
+    assert all(isinstance(s, ShardStart) for s in starts)
+    assert [(s.layers, s.output) for s in starts if isinstance(s, ShardStart)] == [
+        ((10, 19), False),
+        ((20, 29), True),  # the last stage holds the output layer too
+    ]
+    seeded = SeedReport(tensors=4, bytes=48 * 2**20, cached=1, seconds=0.25, source="local")
+    ready = status(b, ShardRole.STAGE, ShardState.READY).model_copy(update={"seed": seeded})
+    controller.on_shard(b, ready)
+    controller.on_shard(c, status(c, ShardRole.STAGE, ShardState.READY))
+    controller.tunnels.carried["split"] = TunnelBytes(to_stages=5000, to_head=700)
+    controller.on_shard(a, status(a, ShardRole.HEAD, ShardState.READY))
+    view = controller.status()[0]
+    assert view["shards"][1]["seed"] == seeded.model_dump()
+    assert view["shards"][2]["seed"] is None  # c did not pre-seed (no cache there)
+    assert view["last_deploy"]["tunnel_bytes"] == {"to_stages": 5000, "to_head": 700}
+    assert view["last_deploy"]["seconds"] >= 0
+    controller.tunnels.carried["split"] = TunnelBytes(to_stages=9000, to_head=900)
+    view = controller.status()[0]
+    assert view["tunnel_bytes"] == {"to_stages": 9000, "to_head": 900}  # tokens since then
+    assert view["last_deploy"]["tunnel_bytes"]["to_stages"] == 5000  # the deploy's own

@@ -46,10 +46,12 @@ from shoal.protocol.messages import (
     ShardStop,
 )
 from shoal.router.deployments.deployment import (
+    DeployCost,
     Deployment,
     DeploymentSpec,
     DeploymentState,
     ShardView,
+    TunnelBytes,
 )
 from shoal.router.deployments.launch import head_launch
 from shoal.router.deployments.leases import DeploymentLeases
@@ -87,6 +89,10 @@ class Tunnels(Protocol):
         ...
 
     def close(self, deployment: str) -> None: ...
+
+    def traffic(self, deployment: str) -> TunnelBytes:
+        """What the deployment's tunnels carried so far, closed ones included."""
+        ...
 
 
 class DeploymentError(Exception):
@@ -224,6 +230,7 @@ class Deployments:
         shard.rpc_address = msg.rpc_address
         shard.devices = msg.devices
         shard.placement = msg.placement
+        shard.seed = msg.seed or shard.seed
         odd = _other_builds(d, shard)
         if odd:
             self._degrade(d, odd)
@@ -231,6 +238,10 @@ class Deployments:
             self._degrade(d, f"{shard.role.value} on {worker.id} failed: {msg.detail}")
         elif msg.state is ShardState.READY and d.state is DeploymentState.STARTING:
             if shard.role is ShardRole.HEAD:
+                d.last_deploy = DeployCost(
+                    seconds=round(time.monotonic() - d.started_at, 3),
+                    tunnel=self.tunnels.traffic(d.name) - d.tunnel_at_start,
+                )
                 d.move(DeploymentState.SERVING, _placement_note(d))
             elif all(s.state is ShardState.READY for s in d.stages):
                 self._start_head(d)
@@ -361,7 +372,9 @@ class Deployments:
             for i, s in enumerate(result.shards)
         ]
         d.attempts += 1
-        d.retry_at = time.monotonic() + _backoff(d.attempts)
+        d.started_at = time.monotonic()
+        d.tunnel_at_start = self.tunnels.traffic(d.name)
+        d.retry_at = d.started_at + _backoff(d.attempts)
         layers = ", ".join(f"{s.worker_id}: {s.first_layer}-{s.last_layer}" for s in d.shards)
         d.move(DeploymentState.STARTING, f"layers {layers}")
         self._kv_per_layer[d.name] = planned.kv_bytes_per_layer()
@@ -369,8 +382,14 @@ class Deployments:
         if not d.stages:
             self._start_head(d)
             return
-        for shard in d.stages:
-            self._send(shard.worker_id, self._shard_start(d, ShardRole.STAGE))
+        for n, shard in enumerate(d.stages):
+            start = self._shard_start(d, ShardRole.STAGE).model_copy(
+                update={
+                    "layers": (shard.first_layer, shard.last_layer),
+                    "output": n == len(d.stages) - 1,
+                }
+            )
+            self._send(shard.worker_id, start)
 
     def _start_head(self, d: Deployment) -> None:
         head = d.head
@@ -444,7 +463,11 @@ class Deployments:
 
     def view(self, d: Deployment) -> dict[str, Any]:
         return deployment_view(
-            d, self.registry, self._kv_per_layer.get(d.name, 0), self._n_layers.get(d.name)
+            d,
+            self.registry,
+            self._kv_per_layer.get(d.name, 0),
+            self._n_layers.get(d.name),
+            self.tunnels.traffic(d.name),
         )
 
     def status(self) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from shoal.protocol.messages import DevicePlacement, ShardRole, ShardState
+from shoal.protocol.messages import DevicePlacement, SeedReport, ShardRole, ShardState
 from shoal.router.deployments.placement import Plan, Strategy
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,29 @@ class IllegalTransition(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
+class TunnelBytes:
+    """Bytes a deployment's RPC tunnels carried through the router (relayed mode)."""
+
+    to_stages: int = 0
+    """Head -> stages: weights sent at load, and activations per token."""
+    to_head: int = 0
+
+    def __add__(self, other: TunnelBytes) -> TunnelBytes:
+        return TunnelBytes(self.to_stages + other.to_stages, self.to_head + other.to_head)
+
+    def __sub__(self, other: TunnelBytes) -> TunnelBytes:
+        return TunnelBytes(self.to_stages - other.to_stages, self.to_head - other.to_head)
+
+
+@dataclass(frozen=True, slots=True)
+class DeployCost:
+    """What the last deploy (from STARTING to SERVING) took."""
+
+    seconds: float
+    tunnel: TunnelBytes
+
+
+@dataclass(frozen=True, slots=True)
 class DeploymentSpec:
     """What was asked: persisted, and the same on every router."""
 
@@ -92,6 +115,8 @@ class ShardView:
     devices: tuple[int, ...] = ()
     """A ready stage: free bytes of each device it serves (``ShardStatus.devices``)."""
     placement: tuple[DevicePlacement, ...] = ()
+    seed: SeedReport | None = None
+    """A stage: what it pre-seeded into its RPC cache before it started."""
 
 
 @dataclass(eq=False, slots=True)
@@ -105,6 +130,10 @@ class Deployment:
     """Deploy attempts since it last served (for the retry backoff)."""
     retry_at: float = 0.0
     changed_at: float = field(default_factory=time.monotonic)
+    started_at: float = 0.0
+    """When the current attempt started (monotonic)."""
+    tunnel_at_start: TunnelBytes = field(default_factory=TunnelBytes)
+    last_deploy: DeployCost | None = None
 
     @property
     def name(self) -> str:

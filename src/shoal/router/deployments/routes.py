@@ -19,8 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 from shoal.models.errors import ModelError
-from shoal.models.gguf_info import inspect_cached
+from shoal.models.gguf_info import GGUFInfo, inspect_cached
 from shoal.models.resolve import resolve_model
+from shoal.models.stage_tensors import stage_tensors
 from shoal.protocol.ids import WorkerId
 from shoal.router.context import context
 from shoal.router.deployments.controller import DeploymentError, Deployments
@@ -115,7 +116,10 @@ async def plan_pipeline(request: Request, body: PlanRequest) -> Response:
             strategy=result.strategy.value,
             head_worker=result.shards[0].node_id,
             tensor_split=list(result.tensor_split),
-            shards=[_shard_json(s, names) for s in result.shards],
+            shards=[
+                _shard_json(s, names, info, i, len(result.shards))
+                for i, s in enumerate(result.shards)
+            ],
         )
     return json_response(answer)
 
@@ -210,7 +214,19 @@ def _default_name(model: str) -> str:
     return tail[: -len(".gguf")] if tail.lower().endswith(".gguf") else model
 
 
-def _shard_json(shard: Shard, names: dict[WorkerId, str]) -> dict[str, Any]:
+def _shard_json(
+    shard: Shard, names: dict[WorkerId, str], info: GGUFInfo, index: int, count: int
+) -> dict[str, Any]:
+    # A stage pre-seeds the tensors llama.cpp would look up by hash: the head sends it only
+    # the rest (a head keeps its own layers and sends nothing).
+    seeded = (
+        sum(
+            t.nbytes
+            for t in stage_tensors(info, shard.first_layer, shard.last_layer, index == count - 1)
+        )
+        if index > 0
+        else 0
+    )
     return {
         "worker": shard.node_id,
         "worker_name": names.get(WorkerId(shard.node_id)),
@@ -223,4 +239,5 @@ def _shard_json(shard: Shard, names: dict[WorkerId, str]) -> dict[str, Any]:
         "total_bytes": shard.total_bytes,
         "free_bytes": shard.free_bytes,
         "margin_bytes": shard.margin_bytes,
+        "preseed_bytes": seeded,
     }

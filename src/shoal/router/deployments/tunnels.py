@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from shoal.protocol.ids import WorkerId
 from shoal.protocol.messages import RpcPeer, TunnelDial
+from shoal.router.deployments.deployment import TunnelBytes
 from shoal.router.workers import Registry, WorkerConnection
 from shoal.tunnel.handshake import StageWanted, TunnelId
 from shoal.tunnel.hub import StageUnavailable, TunnelHub
@@ -36,6 +37,8 @@ class RouterTunnels:
         self.registry = registry
         self.hub = TunnelHub(self._stage_wanted, host=host, port=port, ssl_context=tls)
         self._routes: dict[TunnelId, _Route] = {}
+        self._closed: dict[str, TunnelBytes] = {}
+        """Per deployment: what its tunnels closed so far carried."""
 
     async def serve(self) -> None:
         """Listen until cancelled (in the router's task group)."""
@@ -57,7 +60,22 @@ class RouterTunnels:
         for tunnel_id, route in list(self._routes.items()):
             if route.deployment == deployment:
                 del self._routes[tunnel_id]
+                carried = self._carried(tunnel_id)
                 self.hub.close_tunnel(tunnel_id)
+                self._closed[deployment] = self._closed.get(deployment, TunnelBytes()) + carried
+
+    def traffic(self, deployment: str) -> TunnelBytes:
+        total = self._closed.get(deployment, TunnelBytes())
+        for tunnel_id, route in self._routes.items():
+            if route.deployment == deployment:
+                total += self._carried(tunnel_id)
+        return total
+
+    def _carried(self, tunnel_id: TunnelId) -> TunnelBytes:
+        tunnel = self.hub.tunnel(tunnel_id)
+        if tunnel is None:
+            return TunnelBytes()
+        return TunnelBytes(tunnel.bytes_head_to_stage, tunnel.bytes_stage_to_head)
 
     async def _stage_wanted(self, wanted: StageWanted) -> None:
         route = self._routes.get(wanted.tunnel_id)

@@ -6,13 +6,17 @@ import time
 from typing import Any
 
 from shoal.protocol.ids import WorkerId
-from shoal.router.deployments.deployment import Deployment, ShardView
+from shoal.router.deployments.deployment import Deployment, ShardView, TunnelBytes
 from shoal.router.deployments.launch import head_launch, placed_layers
 from shoal.router.workers import Registry
 
 
 def deployment_view(
-    d: Deployment, registry: Registry, kv_per_layer: int, n_layers: int | None
+    d: Deployment,
+    registry: Registry,
+    kv_per_layer: int,
+    n_layers: int | None,
+    tunnel: TunnelBytes,
 ) -> dict[str, Any]:
     """A deployment as ``/api/v1/pipeline/status`` shows it (and its holder publishes it)."""
     launch = head_launch(d.plan, [s.devices for s in d.stages]) if d.plan else None
@@ -29,7 +33,17 @@ def deployment_view(
         "n_gpu_layers": launch.n_gpu_layers if launch else None,
         "tensor_split": list(launch.tensor_split) if launch else None,
         "shards": [_shard_view(s, registry, kv_per_layer) for s in d.shards],
+        "tunnel_bytes": _bytes(tunnel),
+        "last_deploy": (
+            {"seconds": d.last_deploy.seconds, "tunnel_bytes": _bytes(d.last_deploy.tunnel)}
+            if d.last_deploy is not None
+            else None
+        ),
     }
+
+
+def _bytes(t: TunnelBytes) -> dict[str, int]:
+    return {"to_stages": t.to_stages, "to_head": t.to_head}
 
 
 def _shard_view(s: ShardView, registry: Registry, kv_per_layer: int) -> dict[str, Any]:
@@ -56,5 +70,6 @@ def _shard_view(s: ShardView, registry: Registry, kv_per_layer: int) -> dict[str
             | ({"layers": placed[i]} if placed else {})
             for i, p in enumerate(s.placement)
         ],
+        "seed": s.seed.model_dump() if s.seed is not None else None,
         "last_heartbeat_s_ago": (round(time.monotonic() - worker.last_seen, 3) if worker else None),
     }

@@ -13,7 +13,8 @@ It imitates the endpoints huggingface_hub 2.4 calls for Shoal, with the headers 
 
 It never advertises Xet (no ``X-Xet-*`` headers, no ``xet-auth`` link), so clients take the plain
 HTTP path. Controls: a token per gated repo, cutting the connection after N bytes on the first
-download of a file, serving damaged bytes, a bandwidth limit, and a log of every request.
+download of a file, serving damaged bytes, a bandwidth limit, a log of every request, and a
+count of the bytes sent of each file (``sent``).
 
 In tests: ``with FakeHub.start(files={("org/repo", "x.gguf"): b"GGUF..."}) as hub: hub.url``.
 As a process: ``python -m fakes.fake_hub --serve DIR --port N`` serves ``DIR/<org>/<name>/...``
@@ -106,6 +107,8 @@ class _State:
     bytes_per_second: int | None
     log_file: Path | None
     requests: list[RecordedRequest] = field(default_factory=list)
+    sent: dict[FileKey, int] = field(default_factory=dict)
+    """Body bytes of each file sent by the download host."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -177,6 +180,11 @@ class FakeHub:
     def clear_requests(self) -> None:
         with self._state.lock:
             self._state.requests.clear()
+
+    def sent(self, repo: str, path: str) -> int:
+        """Bytes of this file the download host has sent (every GET's body, ranges included)."""
+        with self._state.lock:
+            return self._state.sent.get((repo, path), 0)
 
     def file(self, repo: str, path: str) -> FakeFile:
         return self._state.files[(repo, path)]
@@ -326,6 +334,8 @@ class FakeHub:
                 chunk = chunk[:-1] + bytes([chunk[-1] ^ 0xFF])
             handler.wfile.write(chunk)
             position += len(chunk)
+            with self._state.lock:
+                self._state.sent[key] = self._state.sent.get(key, 0) + len(chunk)
             if self._state.bytes_per_second:
                 time.sleep(len(chunk) / self._state.bytes_per_second)  # bandwidth limit
         handler.wfile.flush()

@@ -21,6 +21,7 @@ from shoal.protocol.base import Message
 from shoal.protocol.ids import JobId, ModelName, WorkerId
 from shoal.protocol.shards import (
     DevicePlacement,
+    ModelFile,
     RpcPeer,
     SeedReport,
     ShardRole,
@@ -396,6 +397,7 @@ __all__ = [
     "JobResult",
     "JobStart",
     "Message",
+    "ModelFile",
     "ModelInfo",
     "ModelName",
     "ModelsChanged",

@@ -104,6 +104,7 @@ class _State:
     gated: dict[str, str]
     cut_after: dict[FileKey, int]
     corrupt: set[FileKey]
+    no_ranges: set[FileKey]
     bytes_per_second: int | None
     log_file: Path | None
     requests: list[RecordedRequest] = field(default_factory=list)
@@ -118,7 +119,8 @@ class FakeHub:
     ``files`` maps (repo, path) to bytes or a file to serve. ``gated`` maps a repo to the token it
     requires. ``cut_after`` drops the connection after that many bytes of the first download
     of a file. ``corrupt`` files are served with one byte flipped (headers keep the true
-    sha256). ``repos`` sets search data; every repo with files is listed.
+    sha256). ``no_ranges`` files are always sent whole with 200, as a server that ignores
+    ``Range`` may. ``repos`` sets search data; every repo with files is listed.
     """
 
     def __init__(
@@ -128,6 +130,7 @@ class FakeHub:
         gated: Mapping[str, str] | None = None,
         cut_after: Mapping[FileKey, int] | None = None,
         corrupt: Iterable[FileKey] = (),
+        no_ranges: Iterable[FileKey] = (),
         repos: Mapping[str, RepoInfo] | None = None,
         bytes_per_second: int | None = None,
         port: int = 0,
@@ -142,6 +145,7 @@ class FakeHub:
             gated=dict(gated or {}),
             cut_after=dict(cut_after or {}),
             corrupt=set(corrupt),
+            no_ranges=set(no_ranges),
             bytes_per_second=bytes_per_second,
             log_file=log_file,
         )
@@ -302,7 +306,8 @@ class FakeHub:
         if found is None or path != f"/cdn/{found.sha256}":
             _send(handler, 404, {"Content-Type": "text/plain"}, b"NoSuchKey", head)
             return
-        span = _byte_range(handler.headers.get("Range"), found.size)
+        asked = None if key in self._state.no_ranges else handler.headers.get("Range")
+        span = _byte_range(asked, found.size)
         if span is None:
             _send(handler, 416, {"Content-Range": f"bytes */{found.size}"}, b"", head)
             return
@@ -314,7 +319,7 @@ class FakeHub:
             "Content-Length": str(end - start),
         }
         status = 200
-        if handler.headers.get("Range") is not None:
+        if asked is not None:
             status = 206
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{found.size}"
         _start_response(handler, status, headers)

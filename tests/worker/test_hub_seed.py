@@ -23,6 +23,7 @@ from fakes.fake_hub import FakeHub
 from shoal.hardware.profile import MachineProfile
 from shoal.llama_cpp.rpc_cache import RpcCache
 from shoal.models.catalog import load_catalog
+from shoal.models.default import DEFAULT_MODEL
 from shoal.models.errors import HubError
 from shoal.models.gguf_info import inspect
 from shoal.models.hub_cache import local_path
@@ -200,3 +201,28 @@ async def test_router_head_and_stages_agree_on_the_pinned_file(
     again = await asyncio.to_thread(stage_source, stage, _stage(pinned, 2, 2, True), machine)
     assert again == (local_path(stage.cache_dir, _repo(), _file_of(PINNED)), "local")
     assert hub.requests == []
+
+
+async def test_the_default_model_is_pinned_to_its_wheel_and_loaded_from_it(
+    cache_dir: Path, model_path: Path, machine: MachineProfile
+) -> None:
+    pinned = await asyncio.to_thread(pin_model, DEFAULT_MODEL.id, cache_dir)
+    assert pinned is not None and pinned.kind == "pypi"
+    assert pinned.size == model_path.stat().st_size
+    offline = WorkerSettings(router_url="127.0.0.1:9", cache_dir=cache_dir, offline=True)
+    assert await asyncio.to_thread(pinned_model, offline, pinned, machine) == model_path
+
+
+async def test_a_server_that_ignores_range_is_not_downloaded_whole(
+    big_gguf: Path, machine: MachineProfile, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = (_repo(), _file_of(PINNED))
+    with FakeHub.start({key: big_gguf}, no_ranges=[key]) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        spec = _stage(_pin(big_gguf), 1, 1, False)
+        with pytest.raises(HubError, match="ignored the byte range"):
+            await asyncio.to_thread(stage_source, _settings(tmp_path / "stage"), spec, machine)
+        [get] = hub.downloads(*key)  # one request, dropped before its body was read
+    assert not list((tmp_path / "stage").rglob("*.gguf"))
+    assert get.range is not None

@@ -13,7 +13,8 @@ It imitates the endpoints huggingface_hub 2.4 calls for Shoal, with the headers 
 
 It never advertises Xet (no ``X-Xet-*`` headers, no ``xet-auth`` link), so clients take the plain
 HTTP path. Controls: a token per gated repo, cutting the connection after N bytes on the first
-download of a file, serving damaged bytes, a bandwidth limit, and a log of every request.
+download of a file, serving damaged bytes, a bandwidth limit, a log of every request, and a
+count of the bytes sent of each file (``sent``).
 
 In tests: ``with FakeHub.start(files={("org/repo", "x.gguf"): b"GGUF..."}) as hub: hub.url``.
 As a process: ``python -m fakes.fake_hub --serve DIR --port N`` serves ``DIR/<org>/<name>/...``
@@ -103,9 +104,12 @@ class _State:
     gated: dict[str, str]
     cut_after: dict[FileKey, int]
     corrupt: set[FileKey]
+    no_ranges: set[FileKey]
     bytes_per_second: int | None
     log_file: Path | None
     requests: list[RecordedRequest] = field(default_factory=list)
+    sent: dict[FileKey, int] = field(default_factory=dict)
+    """Body bytes of each file sent by the download host."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -115,7 +119,8 @@ class FakeHub:
     ``files`` maps (repo, path) to bytes or a file to serve. ``gated`` maps a repo to the token it
     requires. ``cut_after`` drops the connection after that many bytes of the first download
     of a file. ``corrupt`` files are served with one byte flipped (headers keep the true
-    sha256). ``repos`` sets search data; every repo with files is listed.
+    sha256). ``no_ranges`` files are always sent whole with 200, as a server that ignores
+    ``Range`` may. ``repos`` sets search data; every repo with files is listed.
     """
 
     def __init__(
@@ -125,6 +130,7 @@ class FakeHub:
         gated: Mapping[str, str] | None = None,
         cut_after: Mapping[FileKey, int] | None = None,
         corrupt: Iterable[FileKey] = (),
+        no_ranges: Iterable[FileKey] = (),
         repos: Mapping[str, RepoInfo] | None = None,
         bytes_per_second: int | None = None,
         port: int = 0,
@@ -139,6 +145,7 @@ class FakeHub:
             gated=dict(gated or {}),
             cut_after=dict(cut_after or {}),
             corrupt=set(corrupt),
+            no_ranges=set(no_ranges),
             bytes_per_second=bytes_per_second,
             log_file=log_file,
         )
@@ -177,6 +184,11 @@ class FakeHub:
     def clear_requests(self) -> None:
         with self._state.lock:
             self._state.requests.clear()
+
+    def sent(self, repo: str, path: str) -> int:
+        """Bytes of this file the download host has sent (every GET's body, ranges included)."""
+        with self._state.lock:
+            return self._state.sent.get((repo, path), 0)
 
     def file(self, repo: str, path: str) -> FakeFile:
         return self._state.files[(repo, path)]
@@ -294,7 +306,8 @@ class FakeHub:
         if found is None or path != f"/cdn/{found.sha256}":
             _send(handler, 404, {"Content-Type": "text/plain"}, b"NoSuchKey", head)
             return
-        span = _byte_range(handler.headers.get("Range"), found.size)
+        asked = None if key in self._state.no_ranges else handler.headers.get("Range")
+        span = _byte_range(asked, found.size)
         if span is None:
             _send(handler, 416, {"Content-Range": f"bytes */{found.size}"}, b"", head)
             return
@@ -306,7 +319,7 @@ class FakeHub:
             "Content-Length": str(end - start),
         }
         status = 200
-        if handler.headers.get("Range") is not None:
+        if asked is not None:
             status = 206
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{found.size}"
         _start_response(handler, status, headers)
@@ -326,6 +339,8 @@ class FakeHub:
                 chunk = chunk[:-1] + bytes([chunk[-1] ^ 0xFF])
             handler.wfile.write(chunk)
             position += len(chunk)
+            with self._state.lock:
+                self._state.sent[key] = self._state.sent.get(key, 0) + len(chunk)
             if self._state.bytes_per_second:
                 time.sleep(len(chunk) / self._state.bytes_per_second)  # bandwidth limit
         handler.wfile.flush()

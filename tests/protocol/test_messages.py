@@ -10,6 +10,9 @@ from shoal.protocol.messages import (
     Endpoint,
     JobDone,
     JobStart,
+    ModelFile,
+    ShardRole,
+    ShardStart,
     decode_chunk_items,
     decode_router_message,
     decode_worker_message,
@@ -125,3 +128,30 @@ def test_hardware_models_and_memory_messages_round_trip() -> None:
         worker_id=WorkerId("w"), heartbeat_interval_s=1, router_version="x", default_model="m"
     )
     assert decode_router_message(encode(reg)) == reg
+
+
+def test_a_shard_start_carries_the_pinned_file() -> None:
+    pinned = ModelFile(
+        source="m",
+        kind="hub",
+        quantization="Q4_K_M",
+        repo="org/m-GGUF",
+        filename="m-Q4_K_M.gguf",
+        revision="0" * 40,
+        sha256="a" * 64,
+        size=10,
+    )
+    start = ShardStart(
+        deployment="d",
+        role=ShardRole.STAGE,
+        model=ModelName("d"),
+        source="m",
+        ctx_size=512,
+        layers=(1, 2),
+        file=pinned,
+    )
+    assert decode_router_message(encode(start)) == start
+    unpinned = start.model_copy(update={"file": None})
+    assert decode_router_message(encode(unpinned)) == unpinned
+    with pytest.raises(ValidationError):
+        decode_router_message(encode(start).replace('"kind":"hub"', '"kind":"ftp"'))

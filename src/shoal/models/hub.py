@@ -306,6 +306,20 @@ def _stamp(item: _Wanted, target: Path, commit: str | None, sha256: str) -> None
     hub_cache.write_stamp(target, stamp)
 
 
+def locate(
+    repo: str, filename: str, revision: str, config: HubConfig, sha256: str | None = None
+) -> tuple[str, str, int | None]:
+    """The resolve URL of ``filename`` pinned to its commit, the commit, and the file's size:
+    one ``HEAD`` request (``sha256``, when known, must match the Hub's). Raises ``HubError``."""
+    if config.offline:
+        raise HubError(
+            f"{filename} of {repo} is not on this machine, and fetching any of it needs the "
+            f"Hugging Face Hub, and {config.offline_reason}."
+        )
+    remote = _remote_file(_Wanted(repo, filename, revision, "", sha256), revision, config)
+    return remote.url, remote.commit, remote.size
+
+
 def _check_reachable(config: HubConfig, repo: str | None, revision: str | None) -> None:
     """Fail at once, in one line, when the Hub does not answer at all: one request without
     retries (any HTTP answer will do) before a listing huggingface_hub would retry."""

@@ -21,6 +21,7 @@ from shoal.protocol.base import Message
 from shoal.protocol.ids import JobId, ModelName, WorkerId
 from shoal.protocol.shards import (
     DevicePlacement,
+    ModelFile,
     RpcPeer,
     SeedReport,
     ShardRole,
@@ -31,8 +32,9 @@ from shoal.protocol.shards import (
     TunnelDial,
 )
 
-PROTOCOL_VERSION = 5
-"""Bumped on any incompatible change; a router refuses workers that speak another version."""
+PROTOCOL_VERSION = 6
+"""Bumped on any incompatible change; a router refuses workers that speak another version.
+6: ``ShardStart.file`` (messages forbid unknown fields, so a v5 worker could not read it)."""
 
 WS_PATH = "/ws/worker"
 
@@ -396,6 +398,7 @@ __all__ = [
     "JobResult",
     "JobStart",
     "Message",
+    "ModelFile",
     "ModelInfo",
     "ModelName",
     "ModelsChanged",

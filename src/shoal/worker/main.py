@@ -39,6 +39,7 @@ from shoal.protocol.messages import (
     ModelControl,
     ModelInfo,
     Register,
+    ShardStart,
 )
 from shoal.units import GIB
 from shoal.worker import hardware
@@ -55,7 +56,14 @@ from shoal.worker.link import (
 )
 from shoal.worker.llama_server import LlamaServer
 from shoal.worker.outbox import Outbox
-from shoal.worker.plan import Plan, layer_slice, local_model, needs_router_default, plan
+from shoal.worker.plan import (
+    Plan,
+    local_model,
+    needs_router_default,
+    pinned_model,
+    plan,
+    stage_source,
+)
 from shoal.worker.redis_pull import RedisPuller, redis_address, redis_client
 from shoal.worker.runner import JobRunner
 from shoal.worker.settings import WorkerSettings
@@ -360,18 +368,13 @@ def _shard_tools(
     found = llama_cpp_binaries(settings, path_env, allow_build=False)
     own = settings.model_copy(update={"model_path": None})  # a head loads what it is told
 
-    def resolve(source: str) -> Path:
-        return local_model(own, source, machine).path
+    def resolve(spec: ShardStart) -> Path:
+        if spec.file is not None:
+            return pinned_model(own, spec.file, machine)
+        return local_model(own, spec.source, machine).path
 
-    # A stage seeds from a copy it has, never a whole download: the head can send the weights
-    # for less (a catalog model may also resolve to another quantization here than on the head).
-    at_hand = own.model_copy(update={"offline": True})
-
-    def layer_source(source: str, first: int, last: int) -> tuple[Path, str]:
-        sliced = layer_slice(own, source, first, last)
-        if sliced is not None:
-            return sliced, "store"
-        return local_model(at_hand, source, machine).path, "local"
+    def layer_source(spec: ShardStart) -> tuple[Path, str]:
+        return stage_source(own, spec, machine)
 
     names = hardware.device_names(machine, settings.gpu_devices)
 

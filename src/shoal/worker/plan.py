@@ -20,13 +20,17 @@ from pathlib import Path
 from shoal.hardware.detect import parse_gpu_devices
 from shoal.hardware.profile import MachineProfile
 from shoal.llama_cpp.options import binaries as llama_cpp_binaries
+from shoal.models.catalog import HubSource, QuantFile
 from shoal.models.default import DEFAULT_MODEL
+from shoal.models.errors import ModelError
 from shoal.models.hub import HubConfig
+from shoal.models.hub import download as hub_download
+from shoal.models.hub_ranges import HubFile, StageSlice, fetch_stage_slice
 from shoal.models.resolve import FitContext, LocalModel, resolve_model
 from shoal.models.store_client import fetch_from_store, fetch_ranges, request_pull
 from shoal.paths import logs_dir, models_dir
 from shoal.protocol.ids import ModelName
-from shoal.protocol.messages import Endpoint, ModelInfo
+from shoal.protocol.messages import Endpoint, ModelFile, ModelInfo, ShardStart
 from shoal.worker import hardware
 from shoal.worker.image_plan import serves_images
 from shoal.worker.link import Refusal, client_tls_context
@@ -140,9 +144,7 @@ def local_model(settings: WorkerSettings, model: str, machine: MachineProfile) -
         local = resolve_model(str(settings.model_path), settings.cache_dir, download=False)
         return LocalModel(id=(settings.model or local.id).lower(), path=local.path)
     if settings.model_store is None or model.lower().endswith(".gguf"):
-        hub = HubConfig.from_env(os.environ)  # HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE
-        if settings.offline:
-            hub = hub.without_downloads("offline mode is on (--offline)")
+        hub = hub_config(settings)
         fit = FitContext(
             machine=machine,
             ctx_total=settings.ctx_size * settings.slots,
@@ -161,6 +163,78 @@ def local_model(settings: WorkerSettings, model: str, machine: MachineProfile) -
     dest = models_dir(settings.cache_dir) / "store"
     path = asyncio.run(fetch_from_store(settings.model_store, model, dest, api_key=key, tls=tls))
     return LocalModel(id=model.lower(), path=path)
+
+
+def hub_config(settings: WorkerSettings) -> HubConfig:
+    """HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE, and ``--offline``."""
+    hub = HubConfig.from_env(os.environ)
+    if settings.offline:
+        hub = hub.without_downloads("offline mode is on (--offline)")
+    return hub
+
+
+def pinned_model(settings: WorkerSettings, file: ModelFile, machine: MachineProfile) -> Path:
+    """The exact file the router pinned for a split model (``ShardStart.file``), on this
+    machine: from the cache, else downloaded (unless offline); never another quantization or
+    commit. With ``download`` off in ``settings`` (``--offline``) only the cache is read.
+    Blocking."""
+    if file.kind == "pypi":
+        pinned = settings.model_copy(update={"quantization": file.quantization})
+        path = local_model(pinned, file.source, machine).path
+    else:
+        source = HubSource(repo=file.repo, quants=(), revision=file.revision)
+        quant = QuantFile(
+            quantization=file.quantization,
+            files=(file.filename,),
+            size_bytes=file.size,
+            size_exact=True,
+            sha256=(file.sha256,) if file.sha256 else (),
+        )
+        path = hub_download(source, quant, settings.cache_dir, hub_config(settings))
+    if path.stat().st_size != file.size:
+        raise ModelError(
+            f"{path} has {path.stat().st_size} bytes, but the file the router pinned "
+            f"({file.filename} of {file.repo} at {file.revision}) has {file.size}; delete it "
+            "and deploy again."
+        )
+    return path
+
+
+def hub_stage_slice(
+    settings: WorkerSettings, file: ModelFile, first: int, last: int, output: bool
+) -> StageSlice:
+    """A stage's hashed tensors of the pinned file, by HTTP Range from Hugging Face (only
+    those bytes and the header; nothing offline). Blocking."""
+    hub_file = HubFile(file.repo, file.filename, file.revision, file.sha256, file.size)
+    return fetch_stage_slice(
+        hub_file, first, last, output, settings.cache_dir, hub_config(settings)
+    )
+
+
+def stage_source(
+    settings: WorkerSettings, spec: ShardStart, machine: MachineProfile
+) -> tuple[Path, str]:
+    """Where a stage reads its layers' hashed tensors from to pre-seed, and which kind of
+    source that is. In this order: the model store's pull of its layers (a store model), a
+    copy it has (a path; the pinned file in its cache), or the pinned file's byte ranges on
+    Hugging Face. Never a whole download: the head can send the weights for less. Blocking.
+    """
+    assert spec.layers is not None
+    first, last = spec.layers
+    at_hand = settings.model_copy(update={"offline": True})
+    if spec.file is None:
+        sliced = layer_slice(settings, spec.source, first, last)
+        if sliced is not None:
+            return sliced, "store"
+        return local_model(at_hand, spec.source, machine).path, "local"
+    try:
+        return pinned_model(at_hand, spec.file, machine), "local"
+    except ModelError as exc:
+        if spec.file.kind != "hub":
+            raise
+        log.info("deployment %s: no copy of the model here (%s)", spec.deployment, exc)
+    part = hub_stage_slice(settings, spec.file, first, last, spec.output)
+    return part.path, "hub"
 
 
 def layer_slice(settings: WorkerSettings, model: str, first: int, last: int) -> Path | None:

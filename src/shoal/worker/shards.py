@@ -5,7 +5,9 @@ reaches it through the router's tunnel (``TunnelDial`` asks this worker to conne
 head connection to it), or, in direct mode on a trusted network, straight at ``--rpc-host``.
 With the RPC cache on (``--rpc-cache-max``), it first pre-seeds its layers' weights into the
 cache (``rpc_seed``) and runs ``ggml-rpc-server -c``: the head then sends it no weights over
-10 MiB.
+10 MiB. It reads them from, in this order: the model store's pull of its layers (a store
+model), a copy it has (a path, or the file the router pinned already in its cache), or the
+pinned file's byte ranges on Hugging Face (``models.hub_ranges``); never a whole download.
 
 A **head** loads the whole GGUF in ``llama-server --rpc <stages> -ngl N --tensor-split ...``
 with an explicit context and no automatic fit, so the layers land where the plan says; it
@@ -89,11 +91,13 @@ class ShardTools:
     """Added to every shard process's environment (``llama_cpp.threads.shard_env``)."""
     rpc_host: str | None
     """Direct mode: the address stages listen on (None: this worker refuses direct mode)."""
-    resolve: Callable[[str], Path]
-    """A model source (catalog id, model-store id, path) -> the GGUF on this machine. Blocking."""
-    layer_source: Callable[[str, int, int], tuple[Path, str]]
-    """A model source and a stage's layers -> a GGUF holding at least those layers' tensors
-    (a model-store model: only the store's pull of them), and ``local`` or ``store``. Blocking."""
+    resolve: Callable[[ShardStart], Path]
+    """A shard's model (the file the router pinned, else its source: a model-store id or a
+    path) -> the GGUF on this machine. Blocking."""
+    layer_source: Callable[[ShardStart], tuple[Path, str]]
+    """A stage's model and layers -> a GGUF holding at least those layers' hashed tensors and
+    where they came from: ``local`` (a copy here), ``store`` (the store's pull of them) or
+    ``hub`` (their byte ranges from Hugging Face). Blocking."""
     devices: Callable[[], tuple[ComputeDevice, ...]]
     """The devices a stage computes on, listed now (``llama_cpp.devices``; () for the CPU).
     Blocking."""
@@ -281,7 +285,7 @@ class ShardHost:
             return None
         began = time.monotonic()
         try:
-            path, kind = await asyncio.to_thread(self.tools.layer_source, spec.source, *spec.layers)
+            path, kind = await asyncio.to_thread(self.tools.layer_source, spec)
             order = SeedOrder(spec.deployment, path, *spec.layers, spec.output, kind)
             return await asyncio.to_thread(seed, cache, order)
         except (OSError, ValueError, ModelError) as exc:  # a source we cannot get, read or parse
@@ -292,7 +296,7 @@ class ShardHost:
 
     async def _head(self, shard: _Shard) -> None:
         spec = shard.spec
-        path = await asyncio.to_thread(self.tools.resolve, spec.source)
+        path = await asyncio.to_thread(self.tools.resolve, spec)
         async with AsyncExitStack() as stack:
             rpc: list[str] = []
             for peer in spec.peers:

@@ -10,6 +10,7 @@ from shoal.keys.db import make_engine, resolve_database
 from shoal.keys.migrate import upgrade
 from shoal.protocol.messages import (
     Message,
+    ModelFile,
     RpcPeer,
     ShardRole,
     ShardState,
@@ -18,6 +19,7 @@ from shoal.protocol.messages import (
 )
 from shoal.router.deployments.controller import Deployments
 from shoal.router.deployments.deployment import DeploymentSpec, TunnelBytes
+from shoal.router.deployments.pin import pin_model
 from shoal.router.deployments.placement import Strategy
 from shoal.router.deployments.store import DeploymentStore
 from shoal.router.workers import Registry, WorkerConnection
@@ -63,6 +65,11 @@ def status(
     return ShardStatus(deployment="split", role=role, state=state, build=build)
 
 
+def router_pin(source: str) -> ModelFile | None:
+    """The router's own pinning, with an empty cache (these tests deploy paths: None)."""
+    return pin_model(source, Path("/nonexistent/shoal-cache"))
+
+
 def specs(folder: Path) -> DeploymentStore:
     """The deployments table in a SQLite file of its own, migrated as a router's is."""
     engine = make_engine(resolve_database(f"sqlite:///{folder / 'shoal.db'}"))
@@ -71,7 +78,9 @@ def specs(folder: Path) -> DeploymentStore:
 
 
 async def deployed(model_path: Path, registry: Registry, folder: Path) -> Deployments:
-    controller = Deployments(registry, specs(folder), FakeTunnels(), lambda source: model_path)
+    controller = Deployments(
+        registry, specs(folder), FakeTunnels(), lambda source: model_path, pin=router_pin
+    )
     spec = DeploymentSpec(
         "split", str(model_path), 1024, Strategy.BALANCED, ("a", "b", "c"), "relayed"
     )

@@ -7,10 +7,21 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from deployment_rig import GIB, FakeTunnels, connect, deployed, sent, specs, status
+from deployment_rig import (
+    GIB,
+    FakeTunnels,
+    connect,
+    deployed,
+    router_pin,
+    sent,
+    specs,
+    status,
+)
 
 from router.socketless import worker_connection
+from shoal.models.errors import ModelError
 from shoal.protocol.messages import (
+    ModelFile,
     SeedReport,
     ShardRole,
     ShardStart,
@@ -111,7 +122,9 @@ async def test_a_worker_leaving_degrades_and_a_smaller_plan_follows(
 ) -> None:
     registry = Registry()
     a, b, c = (connect(registry, n) for n in "abc")
-    controller = Deployments(registry, specs(tmp_path), FakeTunnels(), lambda source: model_path)
+    controller = Deployments(
+        registry, specs(tmp_path), FakeTunnels(), lambda source: model_path, pin=router_pin
+    )
     spec = DeploymentSpec("split", str(model_path), 1024, Strategy.BALANCED, None, "relayed")
     await controller.deploy(spec)
     for w in (b, c):
@@ -145,7 +158,9 @@ async def test_workers_that_cannot_run_shards_are_left_out_or_named(
     registry = Registry()
     a, b, c = (connect(registry, n) for n in "abc")
     c.no_shards = CANNOT
-    controller = Deployments(registry, specs(tmp_path), FakeTunnels(), lambda source: model_path)
+    controller = Deployments(
+        registry, specs(tmp_path), FakeTunnels(), lambda source: model_path, pin=router_pin
+    )
     spec = DeploymentSpec("any", str(model_path), 1024, Strategy.BALANCED, None, "relayed")
     await controller.deploy(spec)
     assert [s.worker_id for s in controller.items["any"].shards] == ["a", "b"]
@@ -171,7 +186,9 @@ async def test_workers_named_by_name_or_id_and_what_cannot_be_planned(
     registry = Registry()
     for worker_id, name in (("a-1", "a"), ("b-1", "b"), ("b-2", "b")):
         registry.add(worker_connection(name, ram_bytes=8 * GIB, worker_id=worker_id))
-    controller = Deployments(registry, specs(tmp_path), FakeTunnels(), lambda source: model_path)
+    controller = Deployments(
+        registry, specs(tmp_path), FakeTunnels(), lambda source: model_path, pin=router_pin
+    )
 
     def spec(name: str, workers: tuple[str, ...]) -> DeploymentSpec:
         return DeploymentSpec(name, str(model_path), 1024, Strategy.BALANCED, workers, "relayed")
@@ -205,7 +222,9 @@ async def test_a_worker_named_by_name_that_restarts_with_a_new_id_is_used_again(
     registry = Registry()
     a, b = (worker_connection(n, ram_bytes=8 * GIB, worker_id=f"{n}-1") for n in "ab")
     registry.add(a), registry.add(b)
-    controller = Deployments(registry, specs(tmp_path), FakeTunnels(), lambda source: model_path)
+    controller = Deployments(
+        registry, specs(tmp_path), FakeTunnels(), lambda source: model_path, pin=router_pin
+    )
     spec = DeploymentSpec("split", str(model_path), 1024, Strategy.BALANCED, ("a", "b"), "relayed")
     await controller.deploy(spec)
     d = controller.items["split"]
@@ -247,3 +266,65 @@ async def test_stages_learn_their_layers_and_the_view_shows_seeding_and_deploy_c
     view = controller.status()[0]
     assert view["tunnel_bytes"] == {"to_stages": 9000, "to_head": 900}  # tokens since then
     assert view["last_deploy"]["tunnel_bytes"]["to_stages"] == 5000  # the deploy's own
+
+
+PINNED = ModelFile(
+    source="llama-3.3-70b-instruct",
+    kind="hub",
+    quantization="Q2_K",
+    repo="bartowski/Llama-3.3-70B-Instruct-GGUF",
+    filename="Llama-3.3-70B-Instruct-Q2_K.gguf",
+    revision="c0ffee" * 6 + "abcd",
+    size=123,
+)
+
+
+async def test_head_and_stages_are_told_the_one_file_the_router_pinned(
+    model_path: Path, tmp_path: Path
+) -> None:
+    registry = Registry()
+    a, b, c = (connect(registry, n) for n in "abc")
+    pins: list[str] = []
+
+    def pin(source: str) -> ModelFile:
+        pins.append(source)
+        return PINNED
+
+    controller = Deployments(
+        registry, specs(tmp_path), FakeTunnels(), lambda source: model_path, pin=pin
+    )
+    spec = DeploymentSpec(
+        "big", "llama-3.3-70b-instruct", 1024, Strategy.BALANCED, ("a", "b", "c"), "relayed"
+    )
+    await controller.deploy(spec)
+    starts = [m for w in (b, c) for m in sent(w)]
+    for w in (b, c):
+        controller.on_shard(
+            w,
+            ShardStatus(deployment="big", role=ShardRole.STAGE, state=ShardState.READY, build="b1"),
+        )
+    starts += sent(a)
+    assert [type(m) for m in starts] == [ShardStart] * 3
+    assert {m.file for m in starts if isinstance(m, ShardStart)} == {PINNED}
+    assert pins == ["llama-3.3-70b-instruct"]  # once per attempt, at plan time
+    assert controller.status()[0]["file"] == PINNED.model_dump()
+
+
+async def test_a_file_that_cannot_be_pinned_leaves_the_deployment_pending(
+    model_path: Path, tmp_path: Path
+) -> None:
+    registry = Registry()
+    b = connect(registry, "b")
+    connect(registry, "a")
+
+    def pin(source: str) -> ModelFile:
+        raise ModelError("gone from the cache")
+
+    controller = Deployments(
+        registry, specs(tmp_path), FakeTunnels(), lambda source: model_path, pin=pin
+    )
+    spec = DeploymentSpec("big", "x", 1024, Strategy.BALANCED, ("a", "b"), "relayed")
+    await controller.deploy(spec)
+    d = controller.items["big"]
+    assert d.state is DeploymentState.PENDING and "gone from the cache" in d.detail
+    assert sent(b) == []

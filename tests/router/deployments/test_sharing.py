@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
-from deployment_rig import FakeTunnels, connect, specs
+from deployment_rig import FakeTunnels, connect, router_pin, specs
 
 from shoal.keys.errors import DatabaseError
 from shoal.router.deployments import sharing as deployment_sharing
@@ -48,7 +48,9 @@ async def test_a_read_that_overlaps_an_undeploy_here_is_not_applied(model_path: 
     the table before this router's own undeploy must not bring the deployment back."""
     spec = DeploymentSpec("split", str(model_path), 1024, Strategy.BALANCED, None, "relayed")
     store = SlowStore([spec])
-    controller = Deployments(Registry(), store, FakeTunnels(), lambda source: model_path)
+    controller = Deployments(
+        Registry(), store, FakeTunnels(), lambda source: model_path, pin=router_pin
+    )
     store.release.set()
     await controller.load()
     assert await controller.stored() == [spec]  # nothing under way: the read counts
@@ -80,7 +82,7 @@ async def test_a_failing_database_does_not_stop_the_splits_this_router_runs(
     try:
         leases = DeploymentLeases(client, redis_prefix, "router-a", ttl_s=0.5)
         controller = Deployments(
-            registry, specs(tmp_path), FakeTunnels(), lambda s: model_path, leases
+            registry, specs(tmp_path), FakeTunnels(), lambda s: model_path, leases, pin=router_pin
         )
         spec = DeploymentSpec("split", str(model_path), 1024, Strategy.BALANCED, None, "relayed")
         await controller.deploy(spec)

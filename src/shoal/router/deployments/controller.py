@@ -6,8 +6,10 @@ retry time of a deployment that failed. ``run()`` waits for the next of them and
 reconciles every deployment:
 
 * PENDING / DEGRADED (once its retry time has come): plan over the connected workers from
-  the GGUF (``profile``); if it fits, start a stage (``ggml-rpc-server``) on every
-  shard but the first, and go STARTING; otherwise stay PENDING with the shortfall.
+  the GGUF (``profile``); if it fits, pin the file planned with (``pin``: head and stages
+  then use that one file, not each its own choice of quantization), start a stage
+  (``ggml-rpc-server``) on every shard but the first, and go STARTING; otherwise stay
+  PENDING with the shortfall.
 * STARTING: when every stage is ready and runs the head's llama.cpp build, open a tunnel per
   stage through the router (relayed mode; direct mode uses the stages' addresses) and start
   the head with the plan's ``-ngl``/``--tensor-split``. The head reports where the layers
@@ -38,6 +40,7 @@ from typing import Any, Protocol
 from shoal.models.gguf_info import inspect_cached
 from shoal.protocol.ids import ModelName, WorkerId
 from shoal.protocol.messages import (
+    ModelFile,
     RpcPeer,
     ShardRole,
     ShardStart,
@@ -107,14 +110,18 @@ class Deployments:
         tunnels: Tunnels,
         resolve: Callable[[str], Path],
         leases: DeploymentLeases | None = None,
+        *,
+        pin: Callable[[str], ModelFile | None],
     ) -> None:
         """``resolve``: a model source -> the GGUF on the router (blocking; raises
-        ``ModelError``), for planning. ``leases``: shared with other routers (None: this
-        router runs every deployment)."""
+        ``ModelError``), for planning. ``pin``: a model source -> the exact file every shard
+        must use (``pin.pin_model``; None: a path or store id, used as it is; blocking).
+        ``leases``: shared with other routers (None: this router runs every deployment)."""
         self.registry = registry
         self.store = store
         self.tunnels = tunnels
         self.resolve = resolve
+        self.pin = pin
         self.sharing = Sharing(leases) if leases is not None else None
         self.items: dict[str, Deployment] = {}
         self._edits = 0  # writes of the stored deployments by this router's API, done
@@ -359,6 +366,11 @@ class Deployments:
         if isinstance(result, NoFit):
             self._pending(d, result.reason)
             return
+        try:
+            d.file = self.pin(d.spec.source)  # the file planned with: every shard uses it
+        except Exception as exc:  # the file went away or broke: say so, keep the deployment
+            self._pending(d, f"cannot pin {d.spec.source}: {exc}")
+            return
         d.plan = result
         d.shards = [
             ShardView(
@@ -426,6 +438,7 @@ class Deployments:
             role=role,
             model=ModelName(d.name),
             source=d.spec.source,
+            file=d.file,
             ctx_size=d.plan.ctx if d.plan else d.spec.ctx,
             slots=d.spec.slots,
             direct=d.spec.mode == "direct",
@@ -458,6 +471,7 @@ class Deployments:
         self.tunnels.close(d.name)
         d.shards = []
         d.plan = None
+        d.file = None
 
     # ------------------------------------------------------------ views
 

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from shoal.protocol.messages import DevicePlacement, SeedReport, ShardRole, ShardState
+from shoal.protocol.messages import DevicePlacement, ModelFile, SeedReport, ShardRole, ShardState
 from shoal.router.deployments.placement import Plan, Strategy
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,8 @@ class Deployment:
     state: DeploymentState = DeploymentState.PENDING
     detail: str = "waiting for workers"
     plan: Plan | None = None
+    file: ModelFile | None = None
+    """The exact file the current attempt's shards use (``pin``; None: a path or store id)."""
     shards: list[ShardView] = field(default_factory=list)
     attempts: int = 0
     """Deploy attempts since it last served (for the retry backoff)."""

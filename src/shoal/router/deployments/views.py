@@ -23,6 +23,7 @@ def deployment_view(
     return {
         "name": d.name,
         "model": d.spec.source,
+        "file": d.file.model_dump() if d.file is not None else None,
         "state": d.state.value,
         "detail": d.detail,
         "mode": d.spec.mode,

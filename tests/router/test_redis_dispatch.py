@@ -104,7 +104,7 @@ async def test_job_sent_to_one_router_runs_on_a_worker_of_another(make: Factory)
     await a.wait_assigned(job)
     start = await frame(worker)
     assert isinstance(start, JobStart) and start.job_id == job.id
-    b.workers.on_chunks(worker, [(job.id, "one"), (job.id, "two")])
+    b.workers.on_chunks(worker, [(job.id, "one", None), (job.id, "two", None)])
     b.workers.on_message(worker, JobDone(job_id=job.id))
     got = [await asyncio.wait_for(job.events.get(), WAIT_S) for _ in range(3)]
     assert got == [Data("one"), Data("two"), Done()]
@@ -204,7 +204,7 @@ async def test_worker_whose_router_died_resumes_its_stream_through_another(make:
     await a.wait_assigned(job)
     start = await frame(worker)
     assert isinstance(start, JobStart) and start.attempt == 1
-    b.workers.on_chunks(worker, [(job.id, "one"), (job.id, "two")])
+    b.workers.on_chunks(worker, [(job.id, "one", None), (job.id, "two", None)])
     got = [await asyncio.wait_for(job.events.get(), WAIT_S) for _ in range(2)]
     assert got == [Data("one"), Data("two")]
     # B is gone for the worker (it still runs the job); it registers with C, holding it.
@@ -212,9 +212,9 @@ async def test_worker_whose_router_died_resumes_its_stream_through_another(make:
     assert len(again.running) == 1  # the slot is busy from the start
     resume = await frame(again)
     assert resume == JobResume(job_id=job.id, from_chunk=2)
-    b.workers.on_chunks(worker, [(job.id, "stale")])  # the old holder is fenced off
+    b.workers.on_chunks(worker, [(job.id, "stale", None)])  # the old holder is fenced off
     assert await frame(worker) == JobCancel(job_id=job.id)
-    c.workers.on_chunks(again, [(job.id, "three")])
+    c.workers.on_chunks(again, [(job.id, "three", None)])
     c.workers.on_message(again, JobDone(job_id=job.id))
     got = [await asyncio.wait_for(job.events.get(), WAIT_S) for _ in range(2)]
     assert got == [Data("three"), Done()]

@@ -305,7 +305,8 @@ class RedisPuller:
 
     # ------------------------------------------------------------ the runner's sink
 
-    def chunk(self, job_id: JobId, data: str) -> None:
+    def chunk(self, job_id: JobId, data: str, tokens: tuple[int, ...] | None = None) -> None:
+        """(Pull mode does not resume a lost worker's answers: ``tokens`` is not kept.)"""
         held = self._held.get(job_id)
         if held is None:
             return  # stopped (cancelled, taken over) while the chunk was on its way

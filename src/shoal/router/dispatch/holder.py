@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from shoal.protocol.ids import JobId, ModelName
-from shoal.protocol.messages import Endpoint, JobCancel, JobResume, RunningJob
+from shoal.protocol.messages import Continuation, Endpoint, JobCancel, JobResume, RunningJob
 from shoal.queue.events import Assigned, OutputEvent
 from shoal.queue.redis_consumer import ConsumerLoops, GiveBack
 from shoal.queue.redis_streams import Claimed, RedisJobQueue
@@ -175,6 +175,9 @@ class Holder:
 
     def run_again(self, ticket: Claimed, why: str) -> None:
         self.loops.send(GiveBack(ticket, why))
+
+    def go_on(self, ticket: Claimed, resume: Continuation, why: str, reason: str) -> bool:
+        return False
 
     # ------------------------------------------------------------ Redis side
 

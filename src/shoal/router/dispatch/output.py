@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from shoal.protocol.messages import Continuation
 from shoal.queue.events import Data, Failed, OutputEvent, Requeued
 from shoal.router.dispatch.job import Job, JobState
 from shoal.router.metrics import Metrics
@@ -35,6 +36,17 @@ class JobOutput:
             job.transition(JobState.QUEUED, why)
             job.deliver(Requeued(why))
 
+    def going_on(self, job: Job, resume: Continuation, why: str, reason: str) -> None:
+        """The job's worker was lost mid-answer: it waits to go on from ``resume``."""
+        if job.state is JobState.STREAMING:
+            job.resumes += 1
+            job.resume = resume
+            job.lost_at = time.monotonic()
+            job.worker_id = None
+            job.transition(JobState.QUEUED, f"to go on: {why}")
+            self.metrics.job_resumed(job.model, reason)
+            job.deliver(Requeued(why))
+
     def deliver(self, job: Job, event: OutputEvent, now: float) -> None:
         """Output from the job's worker; ``now`` is when it arrived (monotonic)."""
         if job.state.finished:
@@ -53,6 +65,10 @@ class JobOutput:
         if job.endpoint.is_image:  # progress events, not tokens: kept out of the token timings
             if job.state is JobState.ASSIGNED:
                 job.transition(JobState.STREAMING)
+        elif job.state is JobState.ASSIGNED and job.lost_at is not None:
+            job.transition(JobState.STREAMING, "going on")
+            self.metrics.resumed_output(job.model, now - job.lost_at)
+            job.lost_at = None
         elif job.state is JobState.ASSIGNED:
             job.transition(JobState.STREAMING)
             self.metrics.first_token(job.model, now - job.created)

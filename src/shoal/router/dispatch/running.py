@@ -8,8 +8,12 @@ into Redis. The rules live here once:
 * a job goes to the worker ``pick_worker`` chooses (``scheduler.py``), and holds one of its
   slots until it ends;
 * a job that produced no output yet runs again elsewhere when its worker fails it as
-  retryable or is lost, at most ``--max-requeues`` times; past that, or once it answered in
-  part, it fails (a lost worker: 502 ``worker_lost``);
+  retryable or is lost, at most ``--max-requeues`` times; past that it fails (a lost
+  worker: 502 ``worker_lost``);
+* a streamed chat or text completion that answered in part goes on elsewhere when its worker
+  is lost or its backend died, at most ``--resume-attempts`` times: the next worker is given
+  the ids of every token the client has (``Continuation``, learned from ``Chunk.tokens``) and
+  continues the same stream; a job whose tokens are not exactly known fails as above;
 * frames from a worker that no longer holds the job (cancelled, taken over) are dropped.
 
 ``T`` is the dispatcher's handle on a job (the ``Job`` itself in-process, the Redis claim).
@@ -20,11 +24,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+import orjson
+
 from shoal.protocol.ids import JobId
-from shoal.protocol.messages import JobCancel, JobDone, JobFailed, JobResult, JobStart
+from shoal.protocol.messages import (
+    Continuation,
+    Endpoint,
+    JobCancel,
+    JobDone,
+    JobFailed,
+    JobResult,
+    JobStart,
+)
 from shoal.queue.events import Data, OutputEvent, from_worker, worker_lost
 from shoal.router.dispatch.job import Job, JobState
 from shoal.router.dispatch.scheduler import pick_worker
@@ -47,6 +61,12 @@ class Sink(Protocol[T_contra]):
         """The job produced nothing and may run again: put it back to wait."""
         ...
 
+    def go_on(self, ticket: T_contra, resume: Continuation, why: str, reason: str) -> bool:
+        """The job answered in part and its worker is gone: put it back to wait, to go on
+        from ``resume`` (``reason``: the metric's label). False when it cannot (nobody
+        serves its model any more): it fails."""
+        ...
+
 
 @dataclass(eq=False, slots=True)
 class Placed(Generic[T]):
@@ -59,6 +79,14 @@ class Placed(Generic[T]):
     attempt: int
     started: bool = False
     """Output was sent on: the job can no longer run again."""
+    resume: Continuation | None = None
+    """What this run goes on from (None: a fresh run)."""
+    tokens: list[int] = field(default_factory=list)
+    """The ids of the tokens the client has (``Chunk.tokens``), from every run."""
+    exact: bool = True
+    """``tokens`` is exactly what the client has (its last chunk said which ids)."""
+    answer_id: str | None = None
+    created: int | None = None
 
 
 class Running(Generic[T]):
@@ -68,11 +96,13 @@ class Running(Generic[T]):
         sink: Sink[T],
         max_requeues: int,
         capacity: Callable[[], None],
+        resume_attempts: int = 0,
     ) -> None:
         """``capacity`` is called whenever a slot may have freed."""
         self.registry = registry
         self._sink = sink
         self._max_requeues = max_requeues
+        self._resume_attempts = resume_attempts
         self._capacity = capacity
         self._placed: dict[JobId, Placed[T]] = {}
 
@@ -81,8 +111,16 @@ class Running(Generic[T]):
 
     # ------------------------------------------------------------ placing
 
-    def place(self, ticket: T, job: Job, body: dict[str, object], attempt: int) -> bool:
-        """Start ``job`` on the worker the scheduler picks; False if none has a free slot."""
+    def place(
+        self,
+        ticket: T,
+        job: Job,
+        body: dict[str, object],
+        attempt: int,
+        resume: Continuation | None = None,
+    ) -> bool:
+        """Start ``job`` on the worker the scheduler picks; False if none has a free slot.
+        ``resume``: go on with the answer a lost worker began."""
         worker_id = pick_worker((w.load() for w in self.registry), job.model, job.endpoint)
         worker = self.registry.get(worker_id) if worker_id else None
         if worker is None:
@@ -91,7 +129,10 @@ class Running(Generic[T]):
         job.transition(JobState.ASSIGNED, f"worker {worker.id}")
         worker.running[job.id] = job
         worker.last_assigned = time.monotonic()
-        self._placed[job.id] = Placed(ticket, job, worker, attempt)
+        placed = self._placed[job.id] = Placed(ticket, job, worker, attempt)
+        if resume is not None:
+            placed.started, placed.resume, placed.tokens = True, resume, list(resume.tokens)
+            placed.answer_id, placed.created = resume.id, resume.created
         worker.send(
             JobStart(
                 job_id=job.id,
@@ -100,13 +141,15 @@ class Running(Generic[T]):
                 stream=job.stream,
                 body=body,
                 attempt=attempt,
+                resume=resume,
             )
         )
         log.info(
-            "job %s model=%s (attempt %d) -> worker %s (%d/%d slots)",
+            "job %s model=%s (attempt %d%s) -> worker %s (%d/%d slots)",
             job.id,
             job.model,
             attempt,
+            "" if resume is None else f", going on after {len(resume.tokens)} tokens",
             worker.id,
             len(worker.running),
             worker.slots,
@@ -146,11 +189,26 @@ class Running(Generic[T]):
 
     # ------------------------------------------------------------ what workers report
 
-    def on_chunk(self, worker: WorkerConnection, job_id: JobId, data: str, now: float) -> None:
+    def on_chunk(
+        self,
+        worker: WorkerConnection,
+        job_id: JobId,
+        data: str,
+        tokens: tuple[int, ...] | None,
+        now: float,
+    ) -> None:
         placed = self._held_by(worker, job_id)
-        if placed is not None:
+        if placed is None:
+            return
+        if not placed.started:
             placed.started = True
-            self._sink.output(placed.ticket, Data(data), now)
+            placed.answer_id, placed.created = _answer_head(data)
+        if tokens is None:
+            placed.exact = False
+        else:
+            placed.exact = True
+            placed.tokens += tokens
+        self._sink.output(placed.ticket, Data(data), now)
 
     def on_end(self, worker: WorkerConnection, msg: JobDone | JobResult, now: float) -> None:
         placed = self._held_by(worker, msg.job_id)
@@ -164,8 +222,11 @@ class Running(Generic[T]):
         if placed is None:
             return
         self._release(msg.job_id)
+        why = f"worker {worker.id}: {msg.error.message}"
         if msg.retryable and self._may_run_again(placed):
-            self._sink.run_again(placed.ticket, f"worker {worker.id}: {msg.error.message}")
+            self._sink.run_again(placed.ticket, why)
+        elif msg.resumable and self._go_on(placed, why, "backend"):
+            pass
         else:
             log.warning(
                 "job %s model=%s failed on worker %s: %s %s",
@@ -178,12 +239,17 @@ class Running(Generic[T]):
             self._sink.output(placed.ticket, from_worker(msg), now)
         self._capacity()
 
-    def on_lost(self, worker: WorkerConnection, why: str, now: float) -> None:
-        """Put back what the lost worker had not answered; fail the rest with a 502."""
+    def on_lost(
+        self, worker: WorkerConnection, why: str, now: float, reason: str = "connection"
+    ) -> None:
+        """Put back what the lost worker had not answered, go on elsewhere with what it had
+        answered in part; fail the rest with a 502. ``reason``: the resume metric's label."""
         for placed in [p for p in self._placed.values() if p.worker is worker]:
             self._release(placed.job.id)
             if self._may_run_again(placed):
                 self._sink.run_again(placed.ticket, f"worker {worker.id} lost: {why}")
+                continue
+            if self._go_on(placed, f"worker {worker.id} lost: {why}", reason):
                 continue
             log.warning(
                 "job %s model=%s failed: worker %s lost mid-answer (%s)",
@@ -197,3 +263,52 @@ class Running(Generic[T]):
 
     def _may_run_again(self, placed: Placed[T]) -> bool:
         return not placed.started and placed.attempt <= self._max_requeues
+
+    def _go_on(self, placed: Placed[T], why: str, reason: str) -> bool:
+        """Hand an answer begun here to the sink to go on elsewhere, when it may."""
+        resume = continuation_of(placed, self._resume_attempts)
+        if resume is None or not self._sink.go_on(placed.ticket, resume, why, reason):
+            return False
+        log.warning(
+            "job %s model=%s: %s; going on elsewhere after %d tokens (resume %d of %d)",
+            placed.job.id,
+            placed.job.model,
+            why,
+            len(resume.tokens),
+            placed.job.resumes,
+            self._resume_attempts,
+        )
+        return True
+
+
+RESUMABLE = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
+
+
+def continuation_of(placed: Placed[T], resume_attempts: int) -> Continuation | None:
+    """What another worker needs to go on with ``placed``'s answer, or None when it may not:
+    not streamed, not text, tokens not exactly known, or out of resume attempts (pure)."""
+    job = placed.job
+    if (
+        not placed.started
+        or not placed.exact
+        or not job.stream
+        or job.endpoint not in RESUMABLE
+        or job.resumes >= resume_attempts
+    ):
+        return None
+    return Continuation(tokens=tuple(placed.tokens), id=placed.answer_id, created=placed.created)
+
+
+def _answer_head(data: str) -> tuple[str | None, int | None]:
+    """The id and creation time of an answer, from its first chunk (read once per job)."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None, None
+    if not isinstance(obj, dict):
+        return None, None
+    answer_id, created = obj.get("id"), obj.get("created")
+    return (
+        answer_id if isinstance(answer_id, str) else None,
+        created if isinstance(created, int) else None,
+    )

@@ -218,8 +218,11 @@ class Splice:
     def _fix_counts(self, chunk: dict[str, Any]) -> None:
         usage = chunk.get("usage")
         if isinstance(usage, dict):
-            usage["prompt_tokens"] = usage.get("prompt_tokens", 0) - self.produced
+            prompt = usage["prompt_tokens"] = usage.get("prompt_tokens", 0) - self.produced
             usage["completion_tokens"] = usage.get("completion_tokens", 0) + self.produced
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                details["cached_tokens"] = min(details["cached_tokens"], prompt)
         timings = chunk.get("timings")
         if isinstance(timings, dict) and isinstance(timings.get("predicted_n"), int):
             timings["predicted_n"] += self.produced

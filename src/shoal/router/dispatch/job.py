@@ -97,6 +97,8 @@ class Job:
     """What the client has of its answer, while it waits to go on (None: a fresh run)."""
     lost_at: float | None = None
     """When its worker was lost mid-answer (until the resumed answer's first chunk)."""
+    avoid: WorkerId | None = None
+    """The worker that last failed it mid-answer: another goes on with it, if one can."""
     created: float = field(default_factory=time.monotonic)
     queued_at: float = field(default_factory=time.monotonic)
     last_chunk_at: float = 0.0

@@ -121,8 +121,7 @@ class Running(Generic[T]):
     ) -> bool:
         """Start ``job`` on the worker the scheduler picks; False if none has a free slot.
         ``resume``: go on with the answer a lost worker began."""
-        worker_id = pick_worker((w.load() for w in self.registry), job.model, job.endpoint)
-        worker = self.registry.get(worker_id) if worker_id else None
+        worker = self._pick(job)
         if worker is None:
             return False
         job.worker_id = worker.id
@@ -155,6 +154,15 @@ class Running(Generic[T]):
             worker.slots,
         )
         return True
+
+    def _pick(self, job: Job) -> WorkerConnection | None:
+        """The scheduler's worker for ``job``; not the one that just failed it mid-answer
+        while another can take it (its llama-server may not have said yet that it died)."""
+        others = (w.load() for w in self.registry if w.id != job.avoid)
+        worker_id = pick_worker(others, job.model, job.endpoint)
+        if worker_id is None and job.avoid is not None:
+            worker_id = pick_worker((w.load() for w in self.registry), job.model, job.endpoint)
+        return self.registry.get(worker_id) if worker_id else None
 
     def adopt(
         self, ticket: T, job: Job, worker: WorkerConnection, attempt: int, *, started: bool
@@ -225,8 +233,8 @@ class Running(Generic[T]):
         why = f"worker {worker.id}: {msg.error.message}"
         if msg.retryable and self._may_run_again(placed):
             self._sink.run_again(placed.ticket, why)
-        elif msg.resumable and self._go_on(placed, why, "backend"):
-            pass
+        elif (msg.retryable or msg.resumable) and self._go_on(placed, why, "backend"):
+            pass  # (retryable: a run that was to go on never reached the model: again)
         else:
             log.warning(
                 "job %s model=%s failed on worker %s: %s %s",
@@ -267,7 +275,10 @@ class Running(Generic[T]):
     def _go_on(self, placed: Placed[T], why: str, reason: str) -> bool:
         """Hand an answer begun here to the sink to go on elsewhere, when it may."""
         resume = continuation_of(placed, self._resume_attempts)
-        if resume is None or not self._sink.go_on(placed.ticket, resume, why, reason):
+        if resume is None:
+            return False
+        placed.job.avoid = placed.worker.id
+        if not self._sink.go_on(placed.ticket, resume, why, reason):
             return False
         log.warning(
             "job %s model=%s: %s; going on elsewhere after %d tokens (resume %d of %d)",

@@ -180,3 +180,26 @@ def test_a_frozen_workers_answer_goes_on_before_its_heartbeats_time_out(fleet: F
     assert answer.resumed_after_s is not None and answer.resumed_after_s < 6  # not 10 s
     assert resumed(fleet.router, "stall") == 1
     print(f"SIGSTOP worker: next token {answer.resumed_after_s:.3f} s after the fault")
+
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def test_with_two_routers_on_redis_a_killed_workers_answer_goes_on_through_the_other(
+    cluster: Cluster, redis_prefix: str
+) -> None:
+    """The client calls router A; its answer runs on a worker of either router; that worker
+    is SIGKILLed: the job goes back to Redis with what the client has, the other router's
+    worker goes on, and A's stream of the job's output has each token once."""
+    shared = ("--redis-url", REDIS_URL, "--redis-prefix", redis_prefix)
+    a, b = cluster.router(*shared), cluster.router(*shared)
+    procs = {
+        "wa": cluster.worker(a, "--slots", "1", name="wa"),
+        "wb": cluster.worker(b, "--slots", "1", name="wb"),
+    }
+    workers = a.wait_workers(2)
+    by_id = {w["id"]: procs[w["name"]] for w in workers}
+    reference = ask(a)
+    answer = ask(a, lambda worker: by_id[worker].signal(signal.SIGKILL))
+    check_same(answer, reference)
+    print(f"kill -9 worker (Redis): next token {answer.resumed_after_s:.3f} s after the fault")

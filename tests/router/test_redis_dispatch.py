@@ -16,6 +16,7 @@ from socketless import worker_connection
 
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import (
+    Continuation,
     Endpoint,
     ErrorBody,
     JobCancel,
@@ -236,3 +237,30 @@ async def test_a_job_run_again_elsewhere_is_cancelled_on_the_reconnecting_worker
     unknown = connect(a, "wc", held=(RunningJob(job_id=JobId("job-gone"), attempt=1),))
     assert await frame(unknown) == JobCancel(job_id=JobId("job-gone"))
     await until(lambda: not stale.running and not unknown.running)
+
+
+async def test_an_answer_whose_worker_is_lost_goes_on_on_another_routers_worker(
+    make: Factory,
+) -> None:
+    a, b, c = await make(), await make(), await make(resume_attempts=1)
+    first = connect(b, "wb")
+    await until(lambda: a.remote_workers())
+    job = a.submit(Submission(M, Endpoint.CHAT, True, {"messages": []}))
+    await a.wait_assigned(job)
+    start = await frame(first)
+    assert isinstance(start, JobStart) and start.resume is None
+    head = '{"id":"chatcmpl-9","created":3}'
+    b.workers.on_chunks(first, [(job.id, head, ()), (job.id, "one", (11, 12))])
+    got = [await asyncio.wait_for(job.events.get(), WAIT_S) for _ in range(2)]
+    assert got == [Data(head), Data("one")]
+    second = connect(c, "wc")  # another router's worker
+    b.workers.on_lost(first, "test")
+    again = await frame(second)
+    assert isinstance(again, JobStart) and again.job_id == job.id
+    assert again.resume == Continuation(tokens=(11, 12), id="chatcmpl-9", created=3)
+    b.workers.on_chunks(first, [(job.id, "stale", (13,))])  # fenced off: no longer its job
+    c.workers.on_chunks(second, [(job.id, "two", (13,))])
+    c.workers.on_message(second, JobDone(job_id=job.id))
+    got = [await asyncio.wait_for(job.events.get(), WAIT_S) for _ in range(3)]
+    assert isinstance(got[0], Requeued) and got[1:] == [Data("two"), Done()]
+    assert job.state is JobState.SUCCEEDED

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from shoal.protocol.ids import JobId
+from shoal.protocol.messages import Continuation
 from shoal.queue import events
 from shoal.queue.redis_recovery import LOST_AFTER_START
 from shoal.queue.redis_streams import Claimed, RedisJobQueue
@@ -36,10 +37,12 @@ SWEEP_EVERY_LEASES = 0.5  # sweep for dead holders twice per lease
 
 @dataclass(frozen=True, slots=True)
 class GiveBack:
-    """Put a job that published nothing back in its queue."""
+    """Put a job that published nothing back in its queue; or, with ``resume``, one that
+    answered in part, to go on from there."""
 
     claimed: Claimed
     reason: str
+    resume: Continuation | None = None
 
 
 Outgoing = tuple[Claimed, events.Published] | GiveBack
@@ -95,10 +98,13 @@ class ConsumerLoops:
             if lease is not Lease.HELD:
                 await self._lost_lease(job_id, lease)
         for item in batch:
-            if isinstance(item, GiveBack) and not await self.queue.requeue(
-                item.claimed, item.reason
-            ):
+            if isinstance(item, GiveBack) and not await self._give_back(item):
                 await self.queue.publish(item.claimed, LOST_AFTER_START)
+
+    async def _give_back(self, item: GiveBack) -> bool:
+        if item.resume is None:
+            return await self.queue.requeue(item.claimed, item.reason)
+        return await self.queue.go_on(item.claimed, item.reason, item.resume)
 
     async def _lost_lease(self, job_id: JobId, lease: Lease) -> None:
         claimed = self.jobs.stop_job(job_id)

@@ -55,7 +55,7 @@ local function requeue(q, entry, id)
 end
 
 local FIELDS = {'state', 'entry', 'owner', 'attempt', 'model', 'endpoint', 'stream', 'body',
-                'seq', 'started'}
+                'seq', 'started', 'resume'}
 
 -- hand a job to consumer C; nil if the entry is stale (job ended, cancelled, moved, expired)
 local function start(q, entry, id, reclaiming)
@@ -65,7 +65,7 @@ local function start(q, entry, id, reclaiming)
   local attempt = tonumber(f[4])
   if f[1] == 'running' and not reclaiming then
     if f[3] == C then  -- ours already: a re-sent call
-      return {id, q, entry, attempt, f[5], f[6], f[7], f[8], f[9]}
+      return {id, q, entry, attempt, f[5], f[6], f[7], f[8], f[9], f[11] or ''}
     end
     return nil  -- taken over by another consumer while this call was delayed: theirs now
   end
@@ -76,7 +76,7 @@ local function start(q, entry, id, reclaiming)
   attempt = attempt + 1
   redis.call('HSET', j, 'state', 'running', 'owner', C, 'attempt', attempt)
   emit(id, cjson.encode({t = 'assigned', consumer = C, attempt = attempt}))
-  return {id, q, entry, attempt, f[5], f[6], f[7], f[8], f[9]}
+  return {id, q, entry, attempt, f[5], f[6], f[7], f[8], f[9], f[11] or ''}
 end
 
 local function job_of(fields)
@@ -339,6 +339,23 @@ return 1
 """
 )
 
+GO_ON = (
+    _PRELUDE
+    + """
+-- C puts back a job that answered in part, to go on elsewhere (its worker was lost): at the
+-- tail of its queue, with what the client has (ARGV[11], the continuation) for the next
+-- holder. ARGV[8] job id, ARGV[9] entry, ARGV[10] the Requeued event. Returns 1 put back,
+-- 0 not C's job.
+local id, entry = ARGV[8], ARGV[9]
+local f = redis.call('HMGET', JP .. id, 'state', 'owner', 'entry', 'queue')
+if f[1] ~= 'running' or f[2] ~= C or f[3] ~= entry then return 0 end
+requeue(f[4], entry, id)
+redis.call('HSET', JP .. id, 'resume', ARGV[11])
+emit(id, ARGV[10])
+return 1
+"""
+)
+
 ADOPT = (
     _PRELUDE
     + """
@@ -352,7 +369,7 @@ if f[1] ~= 'running' or tonumber(f[4]) ~= tonumber(ARGV[9]) then return nil end
 local q, entry = redis.call('HGET', JP .. id, 'queue'), f[2]
 if #redis.call('XCLAIM', q, G, C, 0, entry, 'JUSTID') ~= 1 then return nil end
 redis.call('HSET', JP .. id, 'owner', C)
-return {id, q, entry, tonumber(f[4]), f[5], f[6], f[7], f[8], f[9]}
+return {id, q, entry, tonumber(f[4]), f[5], f[6], f[7], f[8], f[9], f[11] or ''}
 """
 )
 

@@ -39,7 +39,7 @@ import redis.exceptions
 from redis.typing import EncodableT
 
 from shoal.protocol.ids import JobId, ModelName
-from shoal.protocol.messages import Endpoint, ErrorBody
+from shoal.protocol.messages import Continuation, Endpoint, ErrorBody
 from shoal.queue import events, redis_scripts
 from shoal.queue.events import Assigned, Delivered, Failed, Published, Requeued
 from shoal.queue.redis_calls import QueueCalls
@@ -105,6 +105,10 @@ class Claimed:
     attempt: int  # 1 on the first run, more after a take-over or requeue
     queue: RedisJobQueue = field(repr=False)
     seq: int = 0  # the last event number published (events are numbered for idempotency)
+    resume: Continuation | None = None
+    """What the client has of the answer: go on from there (its worker was lost)."""
+    resumes: int = 0
+    """Times the answer went on elsewhere so far."""
 
     async def renew(self) -> Lease:
         return (await self.queue.renew([self]))[self.job.id]
@@ -112,6 +116,16 @@ class Claimed:
     def next_seq(self) -> int:
         self.seq += 1
         return self.seq
+
+
+def encode_resume(resume: Continuation, resumes: int) -> bytes:
+    """A job's continuation as its hash keeps it, with the number of resumes so far."""
+    return orjson.dumps({"resumes": resumes, "resume": resume.model_dump(mode="json")})
+
+
+def decode_resume(raw: str) -> tuple[Continuation, int]:
+    obj = orjson.loads(raw)
+    return Continuation.model_validate(obj["resume"]), int(obj["resumes"])
 
 
 class RedisJobQueue:
@@ -313,7 +327,7 @@ class RedisJobQueue:
         return result
 
     def _claimed(self, row: Sequence[Any]) -> Claimed:
-        job_id, _, entry_id, attempt, model, endpoint, stream, body, seq = row
+        job_id, _, entry_id, attempt, model, endpoint, stream, body, seq, resume = row
         job = QueuedJob(
             id=JobId(text(job_id)),
             model=ModelName(text(model)),
@@ -322,6 +336,8 @@ class RedisJobQueue:
             body=orjson.loads(body),
         )
         claimed = Claimed(job, text(entry_id), int(attempt), self, seq=int(text(seq)))
+        if text(resume):
+            claimed.resume, claimed.resumes = decode_resume(text(resume))
         log.info(
             "job %s model=%s claimed by %s (attempt %d)",
             job.id,
@@ -394,6 +410,23 @@ class RedisJobQueue:
         args.append(events.encode(Requeued(reason)))
         code = int(await self.calls.run("GIVE_BACK", [], args))
         log.info("job %s requeued by %s: %s (code %d)", claimed.job.id, self.consumer, reason, code)
+        return code == 1
+
+    async def go_on(self, claimed: Claimed, reason: str, resume: Continuation) -> bool:
+        """Give back a held job that answered in part, to go on from ``resume`` on the next
+        holder (at the tail of its queue). False if it is no longer this consumer's."""
+        args: list[EncodableT] = [claimed.job.id, claimed.entry_id]
+        args.append(events.encode(Requeued(reason)))
+        args.append(encode_resume(resume, claimed.resumes + 1))
+        code = int(await self.calls.run("GO_ON", [], args))
+        log.info(
+            "job %s put back by %s to go on after %d tokens: %s (code %d)",
+            claimed.job.id,
+            self.consumer,
+            len(resume.tokens),
+            reason,
+            code,
+        )
         return code == 1
 
     async def adopt(self, job_id: JobId, attempt: int) -> Claimed | None:

@@ -40,6 +40,7 @@ from shoal.queue.redis_streams import Claimed, RedisJobQueue
 from shoal.queue.redis_support import REDIS_DOWN, raise_if_cancelled
 from shoal.router.dispatch.job import Job
 from shoal.router.dispatch.running import Running
+from shoal.router.metrics import Metrics
 from shoal.router.workers import Registry, WorkerConnection
 
 log = logging.getLogger(__name__)
@@ -48,10 +49,20 @@ log = logging.getLogger(__name__)
 class Holder:
     """Claims jobs for this router's workers and relays their output to Redis."""
 
-    def __init__(self, queue: RedisJobQueue, registry: Registry, max_requeues: int) -> None:
+    def __init__(
+        self,
+        queue: RedisJobQueue,
+        registry: Registry,
+        metrics: Metrics,
+        max_requeues: int,
+        resume_attempts: int,
+    ) -> None:
         self.queue = queue
         self.registry = registry
-        self.running: Running[Claimed] = Running(registry, self, max_requeues, self.kick)
+        self.metrics = metrics
+        self.running: Running[Claimed] = Running(
+            registry, self, max_requeues, self.kick, resume_attempts
+        )
         self._unplaced: deque[Claimed] = deque()  # claimed, no free worker for it yet
         self._capacity = asyncio.Event()
         self.loops = ConsumerLoops(queue, self)
@@ -107,7 +118,8 @@ class Holder:
         """Start the job on a worker here, and say which (before any of its output)."""
         qjob = claimed.job
         job = Job(id=qjob.id, model=qjob.model, endpoint=qjob.endpoint, stream=qjob.stream, body={})
-        if not self.running.place(claimed, job, dict(qjob.body), claimed.attempt):
+        job.resumes = claimed.resumes
+        if not self.running.place(claimed, job, dict(qjob.body), claimed.attempt, claimed.resume):
             return False
         self.loops.send((claimed, Assigned(self.queue.consumer, claimed.attempt, job.worker_id)))
         return True
@@ -177,7 +189,11 @@ class Holder:
         self.loops.send(GiveBack(ticket, why))
 
     def go_on(self, ticket: Claimed, resume: Continuation, why: str, reason: str) -> bool:
-        return False
+        """Back to Redis with what the client has: any router's worker goes on with it (the
+        client's router bounds the wait by ``--max-wait``)."""
+        self.metrics.job_resumed(ticket.job.model, reason)
+        self.loops.send(GiveBack(ticket, why, resume))
+        return True
 
     # ------------------------------------------------------------ Redis side
 

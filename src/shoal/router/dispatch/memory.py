@@ -231,7 +231,10 @@ class MemoryDispatcher:
         when no worker here serves its model any more (its stream ends as it would have)."""
         if not any((ticket.model, ticket.endpoint) in w.served for w in self.registry):
             return False
-        self._output.going_on(ticket, resume, why, reason)
+        ticket.resume = resume
+        ticket.resumes += 1
+        self._output.metrics.job_resumed(ticket.model, reason)
+        self._output.going_on(ticket, why)
         self._queue(ticket).push_front(ticket, ticket.tenant, ticket.work, time.monotonic())
         self._queue_moved()
         return True

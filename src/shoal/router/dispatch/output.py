@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 
-from shoal.protocol.messages import Continuation
 from shoal.queue.events import Data, Failed, OutputEvent, Requeued
 from shoal.router.dispatch.job import Job, JobState
 from shoal.router.metrics import Metrics
@@ -36,15 +35,14 @@ class JobOutput:
             job.transition(JobState.QUEUED, why)
             job.deliver(Requeued(why))
 
-    def going_on(self, job: Job, resume: Continuation, why: str, reason: str) -> None:
-        """The job's worker was lost mid-answer: it waits to go on from ``resume``."""
-        if job.state is JobState.STREAMING:
-            job.resumes += 1
-            job.resume = resume
-            job.lost_at = time.monotonic()
+    def going_on(self, job: Job, why: str) -> None:
+        """The job's worker was lost mid-answer (or the run that was to go on failed before
+        its first token): it waits to go on on another."""
+        if job.state in (JobState.STREAMING, JobState.ASSIGNED):
+            if job.state is JobState.STREAMING or job.lost_at is None:
+                job.lost_at = time.monotonic()
             job.worker_id = None
             job.transition(JobState.QUEUED, f"to go on: {why}")
-            self.metrics.job_resumed(job.model, reason)
             job.deliver(Requeued(why))
 
     def deliver(self, job: Job, event: OutputEvent, now: float) -> None:

@@ -115,7 +115,9 @@ class RedisDispatcher:
             outage=self.outage,
         )
         self.tail = OutputTail(redis, settings.redis_prefix, self.name, outage=self.outage)
-        self.holder = Holder(self.rqueue, registry, settings.max_requeues)
+        self.holder = Holder(
+            self.rqueue, registry, metrics, settings.max_requeues, settings.resume_attempts
+        )
         self.directory = WorkerDirectory(
             redis,
             settings.redis_prefix,
@@ -264,6 +266,8 @@ class RedisDispatcher:
                 if job.state is JobState.QUEUED or (worker and not job.state.finished):
                     job.worker_id = WorkerId(worker) if worker else None
                 self._output.assigned(job, f"{consumer} (attempt {attempt})")
+            case events.Requeued(reason=reason) if job.state is JobState.STREAMING:
+                self._output.going_on(job, reason)  # its worker was lost mid-answer
             case events.Requeued(reason=reason):
                 self._output.requeued(job, reason)
             case _:

@@ -85,6 +85,9 @@ class Placed(Generic[T]):
     """The ids of the tokens the client has (``Chunk.tokens``), from every run."""
     exact: bool = True
     """``tokens`` is exactly what the client has (its last chunk said which ids)."""
+    known: bool = True
+    """Every id the client has reached this router (not so for a job adopted mid-answer
+    from a worker that lost its router: it cannot go on elsewhere)."""
     answer_id: str | None = None
     created: int | None = None
 
@@ -172,7 +175,7 @@ class Running(Generic[T]):
         job.worker_id = worker.id
         job.transition(JobState.ASSIGNED, f"adopted on worker {worker.id}")
         worker.running[job.id] = job
-        self._placed[job.id] = Placed(ticket, job, worker, attempt, started)
+        self._placed[job.id] = Placed(ticket, job, worker, attempt, started, known=not started)
 
     def _held_by(self, worker: WorkerConnection, job_id: JobId) -> Placed[T] | None:
         placed = self._placed.get(job_id)
@@ -302,6 +305,7 @@ def continuation_of(placed: Placed[T], resume_attempts: int) -> Continuation | N
     if (
         not placed.started
         or not placed.exact
+        or not placed.known
         or not job.stream
         or job.endpoint not in RESUMABLE
         or job.resumes >= resume_attempts

@@ -142,7 +142,7 @@ def test_the_splice_makes_completion_chunks_the_rest_of_a_chat_stream() -> None:
     last = {
         "choices": [{"text": "b", "finish_reason": "length", "index": 0}],
         "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15},
-        "timings": {"predicted_n": 3},
+        "timings": {"predicted_n": 3, "prompt_n": 1, "cache_n": 11},
     }
     content, end, usage = splice.chunks(last)
     assert content["choices"][0]["delta"] == {"content": "b"}
@@ -152,7 +152,8 @@ def test_the_splice_makes_completion_chunks_the_rest_of_a_chat_stream() -> None:
         "completion_tokens": 5,
         "total_tokens": 15,
     }
-    assert usage["timings"] == {"predicted_n": 5}
+    # llama-server's counts as if it had run in one go: 10 prompt tokens, 5 generated
+    assert usage["timings"] == {"predicted_n": 5, "prompt_n": 0, "cache_n": 10}
 
 
 # ---------------------------------------------------------------- a real llama-server
@@ -264,6 +265,9 @@ async def test_going_on_gives_exactly_the_uninterrupted_answer(
         [original] = [chunk["usage"] for chunk, _ in whole.chunks if chunk.get("usage")]
         assert usage["prompt_tokens"] == original["prompt_tokens"]
         assert usage["completion_tokens"] == 60 == original["completion_tokens"]
+        [timings] = [chunk["timings"] for chunk, _ in rest.chunks if chunk.get("timings")]
+        assert timings["predicted_n"] == 60
+        assert timings["prompt_n"] + timings["cache_n"] == original["prompt_tokens"]
         finish = [
             c["finish_reason"]
             for chunk, _ in rest.chunks

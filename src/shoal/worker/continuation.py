@@ -224,8 +224,8 @@ class Splice:
             if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
                 details["cached_tokens"] = min(details["cached_tokens"], prompt)
         timings = chunk.get("timings")
-        if isinstance(timings, dict) and isinstance(timings.get("predicted_n"), int):
-            timings["predicted_n"] += self.produced
+        if isinstance(timings, dict):
+            _fix_timings(timings, self.produced)
 
     def _as_chat(self, chunk: dict[str, Any]) -> Iterator[dict[str, Any]]:
         head = {
@@ -261,3 +261,16 @@ class Splice:
         if out and chunk.get("timings"):
             out[-1]["timings"] = chunk["timings"]
         yield from out
+
+
+def _fix_timings(timings: dict[str, Any], produced: int) -> None:
+    """llama-server's counts as if the answer had run in one go: the produced tokens were
+    generated, not prompt (they are the end of the continuation's prompt: computed, or
+    cached where this server had them)."""
+    if isinstance(timings.get("predicted_n"), int):
+        timings["predicted_n"] += produced
+    computed, cached = timings.get("prompt_n"), timings.get("cache_n")
+    if isinstance(computed, int) and isinstance(cached, int):
+        from_computed = min(computed, produced)
+        timings["prompt_n"] = computed - from_computed
+        timings["cache_n"] = max(cached - (produced - from_computed), 0)

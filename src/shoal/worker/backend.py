@@ -241,6 +241,9 @@ class Backend:
 
     async def _go_on(self, job: JobStart, resume: Continuation, out: JobSink) -> None:
         """Go on with an answer another worker began (``continuation``)."""
+        if not self.target.token_ids:
+            out.send(_not_resumable(job, "this worker's backend is not its own llama-server"))
+            return
         chat = job.endpoint is Endpoint.CHAT
         options = job.body.get("stream_options")
         splice = Splice(

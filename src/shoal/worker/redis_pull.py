@@ -271,13 +271,15 @@ class RedisPuller:
         group open (tasks start in the order they were created); it closes as the worker stops.
         """
         qjob = claimed.job
-        self._held[qjob.id] = Held(claimed)
+        # A job that goes on with an answer a lost worker began has output already.
+        self._held[qjob.id] = Held(claimed, started=claimed.resume is not None)
         start = JobStart(
             job_id=qjob.id,
             model=qjob.model,
             endpoint=qjob.endpoint,
             stream=qjob.stream,
             body=dict(qjob.body),
+            resume=claimed.resume,
         )
         try:
             self.runner.start(start)

@@ -8,12 +8,14 @@ import json
 import os
 import signal
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from cluster import API_KEY, MODEL, Cluster, Proc, Router, iter_sse
 
@@ -91,39 +93,73 @@ def ask(router: Router, fault: Callable[[str], None] | None = None) -> Answer:
     return answer
 
 
+REDIS_URL = "redis://127.0.0.1:6379/0"
+ROUTER_ARGS = ("--heartbeat-misses", "10", "--stall-timeout", "2")
+"""Heartbeats time out after 10 s; the stall rule takes 2 s."""
+
+
 @dataclass
 class Fleet:
-    """One router and three workers for this module's faults (each test loses one): the
-    stall rule at 2 s, heartbeats timing out only after 10 s."""
+    """Routers and workers for this module's faults (each test loses a worker). In-process:
+    one router, three workers; with Redis: two routers, two workers each (the client calls
+    the first; its answer may run on a worker of either)."""
 
-    router: Router
+    routers: list[Router]
     procs: dict[str, Proc]
     """Worker id -> its process."""
     reference: Answer
     """The answer uninterrupted."""
     frozen: list[Proc] = field(default_factory=list)
 
+    @property
+    def router(self) -> Router:
+        return self.routers[0]
+
     def ready(self) -> None:
         """Wait until every worker not killed or frozen is ready (a llama-server restarts)."""
         live = [p for p in self.procs.values() if p.alive() and p not in self.frozen]
         self.router.wait_workers(len(live))
 
+    def resumed(self, reason: str) -> float:
+        """``shoal_jobs_resumed_total`` for ``reason``, over every router (a job's holder
+        counts it)."""
+        line = f'shoal_jobs_resumed_total{{model="{MODEL}",reason="{reason}"}} '
+        total = 0.0
+        for router in self.routers:
+            text = httpx.get(router.url + "/metrics", headers=router.headers).text
+            total += sum(float(x[len(line) :]) for x in text.splitlines() if x.startswith(line))
+        return total
 
-@pytest.fixture(scope="module")
-def fleet(session_cluster: Cluster) -> Iterator[Fleet]:
-    router = session_cluster.router("--heartbeat-misses", "10", "--stall-timeout", "2")
-    names = ("w1", "w2", "w3")
-    procs = {name: session_cluster.worker(router, "--slots", "1", name=name) for name in names}
+
+@pytest.fixture(scope="module", params=["memory", "redis"])
+def fleet(session_cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    prefix = f"shoal-test-{uuid.uuid4().hex[:8]}:"
+    shared = ("--redis-url", REDIS_URL, "--redis-prefix", prefix)
+    if request.param == "memory":
+        routers = [session_cluster.router(*ROUTER_ARGS)]
+        placement = {"w1": 0, "w2": 0, "w3": 0}
+    else:
+        routers = [session_cluster.router(*ROUTER_ARGS, *shared) for _ in range(2)]
+        placement = {"a1": 0, "a2": 0, "b1": 1, "b2": 1}
+    procs = {
+        name: session_cluster.worker(routers[at], "--slots", "1", name=name)
+        for name, at in placement.items()
+    }
     try:
-        workers = router.wait_workers(3)
+        workers = routers[0].wait_workers(len(procs))
         ids = {w["id"]: procs[w["name"]] for w in workers}
-        fleet = Fleet(router, ids, ask(router))
-        yield fleet
+        yield Fleet(routers, ids, ask(routers[0]))
     finally:
         for proc in procs.values():
             proc.signal(signal.SIGCONT)  # a frozen worker could not stop
             proc.stop()
-        router.proc.stop()
+        for router in routers:
+            router.proc.stop()
+        if request.param == "redis":
+            client = redis.Redis(host="127.0.0.1", port=6379)
+            for key in client.scan_iter(match=prefix + "*", count=500):
+                client.unlink(key)
+            client.close()
 
 
 def check_same(answer: Answer, reference: Answer) -> None:
@@ -143,29 +179,27 @@ def llama_server_pid(router: Router, worker_id: str) -> int:
     return int(info["detail"].rsplit("pid ", 1)[1].rstrip(")"))
 
 
-def resumed(router: Router, reason: str) -> float:
-    metrics = httpx.get(router.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
-    line = f'shoal_jobs_resumed_total{{model="{MODEL}",reason="{reason}"}} '
-    found = [float(x[len(line) :]) for x in metrics.text.splitlines() if x.startswith(line)]
-    return found[0] if found else 0.0
+def report(fleet: Fleet, fault: str, answer: Answer) -> None:
+    kind = "redis" if len(fleet.routers) > 1 else "memory"
+    print(f"\n{kind}: {fault}: next token {answer.resumed_after_s:.3f} s after the fault")
 
 
 def test_a_killed_workers_answer_goes_on_on_another(fleet: Fleet) -> None:
     fleet.ready()
-    before = resumed(fleet.router, "connection")
+    before = fleet.resumed("connection")
     answer = ask(fleet.router, lambda worker: fleet.procs[worker].signal(signal.SIGKILL))
     check_same(answer, fleet.reference)
-    assert resumed(fleet.router, "connection") == before + 1
-    print(f"kill -9 worker: next token {answer.resumed_after_s:.3f} s after the fault")
+    assert fleet.resumed("connection") == before + 1
+    report(fleet, "kill -9 worker", answer)
 
 
 def test_an_answer_goes_on_when_its_llama_server_dies(fleet: Fleet) -> None:
     fleet.ready()
-    before = resumed(fleet.router, "backend")
+    before = fleet.resumed("backend")
     answer = ask(fleet.router, lambda w: os.kill(llama_server_pid(fleet.router, w), signal.SIGKILL))
     check_same(answer, fleet.reference)
-    assert resumed(fleet.router, "backend") == before + 1
-    print(f"kill -9 llama-server: next token {answer.resumed_after_s:.3f} s after the fault")
+    assert fleet.resumed("backend") == before + 1
+    report(fleet, "kill -9 llama-server", answer)
 
 
 def test_a_frozen_workers_answer_goes_on_before_its_heartbeats_time_out(fleet: Fleet) -> None:
@@ -178,28 +212,5 @@ def test_a_frozen_workers_answer_goes_on_before_its_heartbeats_time_out(fleet: F
     answer = ask(fleet.router, freeze)
     check_same(answer, fleet.reference)
     assert answer.resumed_after_s is not None and answer.resumed_after_s < 6  # not 10 s
-    assert resumed(fleet.router, "stall") == 1
-    print(f"SIGSTOP worker: next token {answer.resumed_after_s:.3f} s after the fault")
-
-
-REDIS_URL = "redis://127.0.0.1:6379/0"
-
-
-def test_with_two_routers_on_redis_a_killed_workers_answer_goes_on_through_the_other(
-    cluster: Cluster, redis_prefix: str
-) -> None:
-    """The client calls router A; its answer runs on a worker of either router; that worker
-    is SIGKILLed: the job goes back to Redis with what the client has, the other router's
-    worker goes on, and A's stream of the job's output has each token once."""
-    shared = ("--redis-url", REDIS_URL, "--redis-prefix", redis_prefix)
-    a, b = cluster.router(*shared), cluster.router(*shared)
-    procs = {
-        "wa": cluster.worker(a, "--slots", "1", name="wa"),
-        "wb": cluster.worker(b, "--slots", "1", name="wb"),
-    }
-    workers = a.wait_workers(2)
-    by_id = {w["id"]: procs[w["name"]] for w in workers}
-    reference = ask(a)
-    answer = ask(a, lambda worker: by_id[worker].signal(signal.SIGKILL))
-    check_same(answer, reference)
-    print(f"kill -9 worker (Redis): next token {answer.resumed_after_s:.3f} s after the fault")
+    assert fleet.resumed("stall") == 1
+    report(fleet, "SIGSTOP worker", answer)

@@ -219,7 +219,7 @@ class Backend:
         if self._trails(job):
             strip = not client_wants_logprobs(job.body, job.endpoint)
             trail = TokenTrail(strip=strip, chat=job.endpoint is Endpoint.CHAT)
-            await self._relay(job, resp, out, trail, None)
+            await self._relay(job, resp, out, trail, None, progress)
             return
         async for batch in sse_data(resp.content):
             for data in batch:
@@ -275,7 +275,7 @@ class Backend:
                 return
             strip = not client_wants_logprobs(job.body, job.endpoint)
             trail = TokenTrail(strip=strip, chat=False)
-            await self._relay(job, resp, out, trail, splice)
+            await self._relay(job, resp, out, trail, splice, _Progress(started=True))
 
     async def _chat_prompt(self, body: dict[str, Any]) -> str:
         url = self.base_url() + "/apply-template"
@@ -295,6 +295,7 @@ class Backend:
         out: JobSink,
         trail: TokenTrail,
         splice: Splice | None,
+        progress: _Progress,
     ) -> None:
         """Stream llama-server's chunks on with the token ids they complete (through
         ``splice`` when going on with another worker's answer)."""
@@ -321,6 +322,7 @@ class Backend:
                     if ids is not None:
                         carry.clear()
                     out.chunk(job_id, self._rename(orjson.dumps(part).decode()), ids)
+                    progress.started = True
         raise aiohttp.ClientPayloadError("the backend ended the stream without [DONE]")
 
     async def _collect(self, job: JobStart, resp: aiohttp.ClientResponse, out: JobSink) -> None:

@@ -30,7 +30,7 @@ from shoal.protocol.shards import (
     TunnelDial,
 )
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Bumped on any incompatible change; a router refuses workers that speak another version."""
 
 WS_PATH = "/ws/worker"

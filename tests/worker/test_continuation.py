@@ -291,3 +291,38 @@ async def test_a_request_that_cannot_go_on_fails_as_a_lost_worker(backend: Backe
     await backend.run(job, sink)
     [failed] = sink.outcomes
     assert isinstance(failed, JobFailed) and failed.error.code == "worker_lost"
+
+
+async def test_a_chat_that_asked_for_logprobs_gets_them_from_the_continuation(
+    backend: Backend,
+) -> None:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 30,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "messages": [{"role": "user", "content": "Name three rivers."}],
+    }
+    job = JobStart(
+        job_id=JobId("j4"), model=ModelName(MODEL), endpoint=Endpoint.CHAT, stream=True, body=body
+    )
+    whole = ListSink()
+    await backend.run(job, whole)
+    had, produced = _cut(whole, 10)
+    first = whole.chunks[0][0]
+    resume = Continuation(tokens=tuple(produced), id=first["id"], created=first["created"])
+    rest = ListSink()
+    await backend.run(job.model_copy(update={"resume": resume}), rest)
+    entries = [
+        entry
+        for chunk, _ in rest.chunks
+        for choice in chunk["choices"]
+        for entry in (choice.get("logprobs") or {}).get("content") or ()
+    ]
+    assert len(entries) == 30 - len(produced)
+    assert all(len(entry["top_logprobs"]) == 2 and "logprob" in entry for entry in entries)
+    assert "".join(entry["token"] for entry in entries) == _text(rest.chunks, True)
+    assert _text(had, True) + _text(rest.chunks, True) == _text(whole.chunks, True)

@@ -404,6 +404,7 @@ async def _pull(
         register,
         memory=memory,
         lease_ms=int(settings.queue_lease * 1000),
+        resume_attempts=settings.resume_attempts,
     )
     serving.links.append(puller)
     log.info(

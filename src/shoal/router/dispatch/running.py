@@ -27,18 +27,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-import orjson
-
 from shoal.protocol.ids import JobId
 from shoal.protocol.messages import (
     Continuation,
-    Endpoint,
     JobCancel,
     JobDone,
     JobFailed,
     JobResult,
     JobStart,
 )
+from shoal.queue.answer import AnswerSoFar
 from shoal.queue.events import Data, OutputEvent, from_worker, worker_lost
 from shoal.router.dispatch.job import Job, JobState
 from shoal.router.dispatch.scheduler import pick_worker
@@ -77,19 +75,8 @@ class Placed(Generic[T]):
     """The job in ``worker.running``: slot counting and ``/api/v1/workers``."""
     worker: WorkerConnection
     attempt: int
-    started: bool = False
-    """Output was sent on: the job can no longer run again."""
-    resume: Continuation | None = None
-    """What this run goes on from (None: a fresh run)."""
-    tokens: list[int] = field(default_factory=list)
-    """The ids of the tokens the client has (``Chunk.tokens``), from every run."""
-    exact: bool = True
-    """``tokens`` is exactly what the client has (its last chunk said which ids)."""
-    known: bool = True
-    """Every id the client has reached this router (not so for a job adopted mid-answer
-    from a worker that lost its router: it cannot go on elsewhere)."""
-    answer_id: str | None = None
-    created: int | None = None
+    answer: AnswerSoFar = field(default_factory=AnswerSoFar)
+    """What the client has (once it has anything, the job can no longer run again)."""
 
 
 class Running(Generic[T]):
@@ -131,10 +118,8 @@ class Running(Generic[T]):
         job.transition(JobState.ASSIGNED, f"worker {worker.id}")
         worker.running[job.id] = job
         worker.last_assigned = time.monotonic()
-        placed = self._placed[job.id] = Placed(ticket, job, worker, attempt)
-        if resume is not None:
-            placed.started, placed.resume, placed.tokens = True, resume, list(resume.tokens)
-            placed.answer_id, placed.created = resume.id, resume.created
+        answer = AnswerSoFar() if resume is None else AnswerSoFar.going_on(resume)
+        self._placed[job.id] = Placed(ticket, job, worker, attempt, answer)
         worker.send(
             JobStart(
                 job_id=job.id,
@@ -175,7 +160,8 @@ class Running(Generic[T]):
         job.worker_id = worker.id
         job.transition(JobState.ASSIGNED, f"adopted on worker {worker.id}")
         worker.running[job.id] = job
-        self._placed[job.id] = Placed(ticket, job, worker, attempt, started, known=not started)
+        answer = AnswerSoFar.unknown() if started else AnswerSoFar()
+        self._placed[job.id] = Placed(ticket, job, worker, attempt, answer)
 
     def _held_by(self, worker: WorkerConnection, job_id: JobId) -> Placed[T] | None:
         placed = self._placed.get(job_id)
@@ -211,14 +197,7 @@ class Running(Generic[T]):
         placed = self._held_by(worker, job_id)
         if placed is None:
             return
-        if not placed.started:
-            placed.started = True
-            placed.answer_id, placed.created = _answer_head(data)
-        if tokens is None:
-            placed.exact = False
-        else:
-            placed.exact = True
-            placed.tokens += tokens
+        placed.answer.take(data, tokens)
         self._sink.output(placed.ticket, Data(data), now)
 
     def on_end(self, worker: WorkerConnection, msg: JobDone | JobResult, now: float) -> None:
@@ -273,11 +252,14 @@ class Running(Generic[T]):
         self._capacity()
 
     def _may_run_again(self, placed: Placed[T]) -> bool:
-        return not placed.started and placed.attempt <= self._max_requeues
+        return not placed.answer.started and placed.attempt <= self._max_requeues
 
     def _go_on(self, placed: Placed[T], why: str, reason: str) -> bool:
         """Hand an answer begun here to the sink to go on elsewhere, when it may."""
-        resume = continuation_of(placed, self._resume_attempts)
+        job = placed.job
+        resume = placed.answer.continuation(
+            job.endpoint, job.stream, job.resumes, self._resume_attempts
+        )
         if resume is None:
             return False
         placed.job.avoid = placed.worker.id
@@ -293,37 +275,3 @@ class Running(Generic[T]):
             self._resume_attempts,
         )
         return True
-
-
-RESUMABLE = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
-
-
-def continuation_of(placed: Placed[T], resume_attempts: int) -> Continuation | None:
-    """What another worker needs to go on with ``placed``'s answer, or None when it may not:
-    not streamed, not text, tokens not exactly known, or out of resume attempts (pure)."""
-    job = placed.job
-    if (
-        not placed.started
-        or not placed.exact
-        or not placed.known
-        or not job.stream
-        or job.endpoint not in RESUMABLE
-        or job.resumes >= resume_attempts
-    ):
-        return None
-    return Continuation(tokens=tuple(placed.tokens), id=placed.answer_id, created=placed.created)
-
-
-def _answer_head(data: str) -> tuple[str | None, int | None]:
-    """The id and creation time of an answer, from its first chunk (read once per job)."""
-    try:
-        obj = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None, None
-    if not isinstance(obj, dict):
-        return None, None
-    answer_id, created = obj.get("id"), obj.get("created")
-    return (
-        answer_id if isinstance(answer_id, str) else None,
-        created if isinstance(created, int) else None,
-    )

@@ -214,3 +214,20 @@ def test_a_frozen_workers_answer_goes_on_before_its_heartbeats_time_out(fleet: F
     assert answer.resumed_after_s is not None and answer.resumed_after_s < 6  # not 10 s
     assert fleet.resumed("stall") == 1
     report(fleet, "SIGSTOP worker", answer)
+
+
+def test_a_pull_workers_answer_goes_on_when_its_llama_server_dies(
+    cluster: Cluster, redis_prefix: str
+) -> None:
+    """A pull worker (no router connection) hands the answer back to Redis with what the
+    client has; the other pull worker goes on with it."""
+    router = cluster.router("--redis-url", REDIS_URL, "--redis-prefix", redis_prefix)
+    for name in ("p1", "p2"):
+        cluster.pull_worker(REDIS_URL, redis_prefix, "--slots", "1", name=name)
+    router.wait_workers(2)
+    reference = ask(router)
+    answer = ask(router, lambda w: os.kill(llama_server_pid(router, w), signal.SIGKILL))
+    check_same(answer, reference)
+    print(
+        f"\npull: kill -9 llama-server: next token {answer.resumed_after_s:.3f} s after the fault"
+    )

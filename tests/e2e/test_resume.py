@@ -231,3 +231,22 @@ def test_a_pull_workers_answer_goes_on_when_its_llama_server_dies(
     print(
         f"\npull: kill -9 llama-server: next token {answer.resumed_after_s:.3f} s after the fault"
     )
+
+
+def test_a_dead_pull_workers_answer_goes_on_after_its_lease(
+    cluster: Cluster, redis_prefix: str
+) -> None:
+    """A pull worker SIGKILLed mid-answer: nobody's connection closes; after its lease the
+    sweep puts the job back with the ids its trail left in Redis, another pull worker goes on."""
+    lease = ("--queue-lease", "3")
+    router = cluster.router("--redis-url", REDIS_URL, "--redis-prefix", redis_prefix, *lease)
+    procs = {
+        name: cluster.pull_worker(REDIS_URL, redis_prefix, "--slots", "1", *lease, name=name)
+        for name in ("p1", "p2")
+    }
+    by_id = {w["id"]: procs[w["name"]] for w in router.wait_workers(2)}
+    reference = ask(router)
+    answer = ask(router, lambda worker: by_id[worker].signal(signal.SIGKILL))
+    check_same(answer, reference)
+    after = answer.resumed_after_s
+    print(f"\npull: kill -9 worker (lease 3 s): next token {after:.3f} s after the fault")

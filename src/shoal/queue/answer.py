@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from shoal.protocol.messages import Continuation, Endpoint
+from shoal.queue.events import Trail
 
 RESUMABLE = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
 
@@ -67,6 +68,12 @@ class AnswerSoFar:
         ):
             return None
         return Continuation(tokens=tuple(self.tokens), id=self.answer_id, created=self.created)
+
+
+def trail_of(tokens: tuple[int, ...] | None, answer: AnswerSoFar) -> Trail:
+    """The ``Trail`` event of a chunk just taken into ``answer`` (its head every time: the
+    holder's batches keep one trail per job, and a head costs little)."""
+    return Trail(tokens or (), tokens is not None, answer.answer_id, answer.created)
 
 
 def _answer_head(data: str) -> tuple[str | None, int | None]:

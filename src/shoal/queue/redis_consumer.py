@@ -58,6 +58,30 @@ class HeldJobs(Protocol):
         ...
 
 
+def coalesce(
+    items: list[tuple[Claimed, events.Published]],
+) -> list[tuple[Claimed, events.Published]]:
+    """One ``Trail`` per job per batch, after its other events (a batch is written in one
+    step, so the trail still matches the output): its ids in order, exact as the last."""
+    out: list[tuple[Claimed, events.Published]] = []
+    trails: dict[JobId, tuple[Claimed, events.Trail]] = {}
+    for claimed, event in items:
+        if not isinstance(event, events.Trail):
+            out.append((claimed, event))
+            continue
+        seen = trails.get(claimed.job.id)
+        if seen is not None:
+            first = seen[1]
+            event = events.Trail(
+                first.tokens + event.tokens,
+                event.exact,
+                first.answer_id or event.answer_id,
+                first.created if first.created is not None else event.created,
+            )
+        trails[claimed.job.id] = (claimed, event)
+    return out + list(trails.values())
+
+
 class ConsumerLoops:
     def __init__(self, queue: RedisJobQueue, jobs: HeldJobs) -> None:
         self.queue = queue
@@ -92,7 +116,7 @@ class ConsumerLoops:
             raise_if_cancelled()
 
     async def publish(self, batch: list[Outgoing]) -> None:
-        outputs = [item for item in batch if not isinstance(item, GiveBack)]
+        outputs = coalesce([item for item in batch if not isinstance(item, GiveBack)])
         leases = await self.queue.publish_many(outputs)
         for job_id, lease in leases.items():
             if lease is not Lease.HELD:

@@ -41,7 +41,7 @@ from redis.typing import EncodableT
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import Continuation, Endpoint, ErrorBody
 from shoal.queue import events, redis_scripts
-from shoal.queue.events import Assigned, Delivered, Failed, Published, Requeued
+from shoal.queue.events import Assigned, Delivered, Failed, Published, Requeued, Trail
 from shoal.queue.redis_calls import QueueCalls
 from shoal.queue.redis_keys import (
     CANCEL_SUFFIX,
@@ -84,6 +84,7 @@ _KINDS = {
     events.Done: "x",
     events.Failed: "f",
     events.Assigned: "a",
+    events.Trail: "t",
 }
 
 ENDED_WITHOUT_ANSWER = Failed(
@@ -142,7 +143,10 @@ class RedisJobQueue:
         block_ms: int = BLOCK_MS,
         outage_s: float = OUTAGE_S,
         outage: OutageLog | None = None,
+        resume_attempts: int = 0,
     ) -> None:
+        """``resume_attempts``: a job whose holder stopped renewing mid-answer goes on
+        elsewhere this many times (from its trail), else it fails."""
         self.keys = RedisKeys(prefix)
         self.consumer = check_name("consumer name", consumer)
         self.max_len = max_len  # per (model, endpoint), waiting + running; 0: unbounded
@@ -155,7 +159,7 @@ class RedisJobQueue:
         self.calls = QueueCalls(
             redis, self.keys, self.consumer, outage_s=outage_s, outage=self.outage
         )
-        self._recovery = Recovery(self.calls, self.keys, self.consumer, lease_ms)
+        self._recovery = Recovery(self.calls, self.keys, self.consumer, lease_ms, resume_attempts)
         self._counts = redis.register_script(redis_scripts.COUNTS)
         self._waiting = redis.register_script(redis_scripts.WAITING)
 
@@ -379,7 +383,7 @@ class RedisJobQueue:
             return {}
         args: list[EncodableT] = []
         for claimed, event in items:
-            seq = claimed.seq if isinstance(event, Assigned) else claimed.next_seq()
+            seq = claimed.seq if isinstance(event, Assigned | Trail) else claimed.next_seq()
             args += [claimed.job.id, seq, _KINDS[type(event)]]
             args.append(events.encode(event))
         codes = await self.calls.run("PUBLISH", [], args)

@@ -51,7 +51,7 @@ from shoal.protocol.messages import (
     Register,
 )
 from shoal.queue import events
-from shoal.queue.answer import AnswerSoFar
+from shoal.queue.answer import AnswerSoFar, trail_of
 from shoal.queue.redis_consumer import ConsumerLoops, GiveBack, Outgoing
 from shoal.queue.redis_streams import LEASE_MS, Claimed, RedisJobQueue
 from shoal.queue.redis_support import REDIS_DOWN, RETRY_MAX_DELAY_S, raise_if_cancelled
@@ -167,7 +167,13 @@ class RedisPuller:
         self.worker_id = first.worker_id
         self.slots = first.slots
         self.register = register
-        self.queue = RedisJobQueue(redis, prefix, consumer_name(first.worker_id), lease_ms=lease_ms)
+        self.queue = RedisJobQueue(
+            redis,
+            prefix,
+            consumer_name(first.worker_id),
+            lease_ms=lease_ms,
+            resume_attempts=resume_attempts,
+        )
         self.runner = JobRunner(self)
         self.presence = Presence(
             redis, prefix, first.worker_id, self.describe, outage=self.queue.outage
@@ -321,6 +327,7 @@ class RedisPuller:
             return  # stopped (cancelled, taken over) while the chunk was on its way
         held.answer.take(data, tokens)
         self._send((held.claimed, events.Data(data)))
+        self._send((held.claimed, trail_of(tokens, held.answer)))
 
     def send(self, message: JobOutcome, /) -> None:
         held = self._release(message.job_id)

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import Continuation, Endpoint, JobCancel, JobResume, RunningJob
+from shoal.queue.answer import AnswerSoFar, trail_of
 from shoal.queue.events import Assigned, OutputEvent
 from shoal.queue.redis_consumer import ConsumerLoops, GiveBack
 from shoal.queue.redis_streams import Claimed, RedisJobQueue
@@ -187,6 +188,9 @@ class Holder:
 
     def run_again(self, ticket: Claimed, why: str) -> None:
         self.loops.send(GiveBack(ticket, why))
+
+    def trail(self, ticket: Claimed, tokens: tuple[int, ...] | None, answer: AnswerSoFar) -> None:
+        self.loops.send((ticket, trail_of(tokens, answer)))
 
     def go_on(self, ticket: Claimed, resume: Continuation, why: str, reason: str) -> bool:
         """Back to Redis with what the client has: any router's worker goes on with it (the

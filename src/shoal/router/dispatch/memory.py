@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Mapping
 
 from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import Continuation, Endpoint
+from shoal.queue.answer import AnswerSoFar
 from shoal.queue.events import OutputEvent
 from shoal.router.dispatch import answers
 from shoal.router.dispatch.answers import UnavailableReason
@@ -225,6 +226,9 @@ class MemoryDispatcher:
         log.warning(
             "job %s model=%s re-queued (%d): %s", ticket.id, ticket.model, ticket.requeues, why
         )
+
+    def trail(self, ticket: Job, tokens: tuple[int, ...] | None, answer: AnswerSoFar) -> None:
+        return  # ``Running`` keeps it: the job ends with this router anyway
 
     def go_on(self, ticket: Job, resume: Continuation, why: str, reason: str) -> bool:
         """Back to the head of its queue, to go on from ``resume`` on the next worker; not

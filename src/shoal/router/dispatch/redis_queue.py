@@ -113,6 +113,7 @@ class RedisDispatcher:
             max_len=settings.max_queue,
             lease_ms=lease_ms(settings),
             outage=self.outage,
+            resume_attempts=settings.resume_attempts,
         )
         self.tail = OutputTail(redis, settings.redis_prefix, self.name, outage=self.outage)
         self.holder = Holder(

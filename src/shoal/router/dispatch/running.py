@@ -59,6 +59,11 @@ class Sink(Protocol[T_contra]):
         """The job produced nothing and may run again: put it back to wait."""
         ...
 
+    def trail(self, ticket: T_contra, tokens: tuple[int, ...] | None, answer: AnswerSoFar) -> None:
+        """A chunk was sent on: keep what the client has where another router can see it
+        (with Redis; in-process, ``Running`` keeps it)."""
+        ...
+
     def go_on(self, ticket: T_contra, resume: Continuation, why: str, reason: str) -> bool:
         """The job answered in part and its worker is gone: put it back to wait, to go on
         from ``resume`` (``reason``: the metric's label). False when it cannot (nobody
@@ -199,6 +204,7 @@ class Running(Generic[T]):
             return
         placed.answer.take(data, tokens)
         self._sink.output(placed.ticket, Data(data), now)
+        self._sink.trail(placed.ticket, tokens, placed.answer)
 
     def on_end(self, worker: WorkerConnection, msg: JobDone | JobResult, now: float) -> None:
         placed = self._held_by(worker, msg.job_id)

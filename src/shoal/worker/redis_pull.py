@@ -327,7 +327,8 @@ class RedisPuller:
             return  # stopped (cancelled, taken over) while the chunk was on its way
         held.answer.take(data, tokens)
         self._send((held.claimed, events.Data(data)))
-        self._send((held.claimed, trail_of(tokens, held.answer)))
+        if tokens is not None or held.answer.tokens:  # else nothing is known of its tokens
+            self._send((held.claimed, trail_of(tokens, held.answer)))
 
     def send(self, message: JobOutcome, /) -> None:
         held = self._release(message.job_id)

@@ -190,6 +190,8 @@ class Holder:
         self.loops.send(GiveBack(ticket, why))
 
     def trail(self, ticket: Claimed, tokens: tuple[int, ...] | None, answer: AnswerSoFar) -> None:
+        if tokens is None and not answer.tokens:
+            return  # nothing known of its tokens (an attached backend, an image): no trail
         self.loops.send((ticket, trail_of(tokens, answer)))
 
     def go_on(self, ticket: Claimed, resume: Continuation, why: str, reason: str) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shoal.protocol.messages import Continuation, Endpoint
-from shoal.queue.answer import AnswerSoFar
+from shoal.queue.answer import AnswerSoFar, answer_of_trail
 
 HEAD = '{"id":"cmpl-7","created":5,"choices":[]}'
 
@@ -51,3 +51,15 @@ def test_a_run_that_goes_on_starts_from_what_the_client_has() -> None:
     adopted = AnswerSoFar.unknown()
     adopted.take("x", (9,))
     assert adopted.continuation(Endpoint.CHAT, True, 0, 2) is None
+
+
+def test_an_answer_read_back_from_its_trail() -> None:
+    answer = answer_of_trail("4,5,6", "1", '{"id":"x","created":9}')
+    assert answer.continuation(Endpoint.CHAT, True, 0, 1) == Continuation(
+        tokens=(4, 5, 6), id="x", created=9
+    )
+    inexact = answer_of_trail("4", "0", "")
+    assert inexact.continuation(Endpoint.CHAT, True, 0, 1) is None
+    inexact.take("y", (7,))  # the next chunk is exact again: it goes on from every id
+    assert inexact.continuation(Endpoint.CHAT, True, 0, 1) == Continuation(tokens=(4, 7))
+    assert not answer_of_trail("", "", "").known  # no trail: nothing known

@@ -264,3 +264,30 @@ async def test_an_answer_whose_worker_is_lost_goes_on_on_another_routers_worker(
     got = [await asyncio.wait_for(job.events.get(), WAIT_S) for _ in range(3)]
     assert isinstance(got[0], Requeued) and got[1:] == [Data("two"), Done()]
     assert job.state is JobState.SUCCEEDED
+
+
+async def test_an_adopted_answer_goes_on_from_its_trail_when_its_worker_dies_too(
+    make: Factory,
+) -> None:
+    """Router B dies mid-answer; its worker reconnects to C, which adopts the job and learns
+    from the trail in Redis which tokens the client has; then the worker dies too: another of
+    C's workers goes on with every token."""
+    a, b, c = await make(), await make(), await make()
+    worker = connect(b, "wb")
+    await until(lambda: a.remote_workers())
+    job = a.submit(Submission(M, Endpoint.CHAT, True, {}))
+    await a.wait_assigned(job)
+    assert isinstance(await frame(worker), JobStart)
+    head = '{"id":"chatcmpl-5","created":8}'
+    b.workers.on_chunks(worker, [(job.id, head, ()), (job.id, "one", (1, 2))])
+    got = [await asyncio.wait_for(job.events.get(), WAIT_S) for _ in range(2)]
+    assert got == [Data(head), Data("one")]
+    again = connect(c, "wb", held=(RunningJob(job_id=job.id, attempt=1),))
+    assert await frame(again) == JobResume(job_id=job.id, from_chunk=2)
+    c.workers.on_chunks(again, [(job.id, "two", (3,))])
+    assert await asyncio.wait_for(job.events.get(), WAIT_S) == Data("two")
+    spare = connect(c, "spare")
+    c.workers.on_lost(again, "test")
+    start = await frame(spare)
+    assert isinstance(start, JobStart) and start.job_id == job.id
+    assert start.resume == Continuation(tokens=(1, 2, 3), id="chatcmpl-5", created=8)

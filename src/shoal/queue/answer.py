@@ -76,6 +76,22 @@ def trail_of(tokens: tuple[int, ...] | None, answer: AnswerSoFar) -> Trail:
     return Trail(tokens or (), tokens is not None, answer.answer_id, answer.created)
 
 
+def answer_of_trail(ids: str, exact: str, head: str) -> AnswerSoFar:
+    """A started answer as its holders' trail in Redis says (``Trail``): the ids as
+    ``"1,2,3"``, ``exact`` ``"1"``/``"0"``, the head as JSON; unknown without a trail."""
+    if exact not in ("0", "1"):
+        return AnswerSoFar.unknown()
+    first: dict[str, object] = orjson.loads(head) if head else {}
+    answer_id, created = first.get("id"), first.get("created")
+    return AnswerSoFar(
+        started=True,
+        tokens=[int(t) for t in ids.split(",") if t],
+        exact=exact == "1",
+        answer_id=answer_id if isinstance(answer_id, str) else None,
+        created=int(created) if isinstance(created, int | float) else None,
+    )
+
+
 def _answer_head(data: str) -> tuple[str | None, int | None]:
     """The id and creation time of an answer, from its first chunk (read once per job)."""
     try:

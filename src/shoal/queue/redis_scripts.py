@@ -407,14 +407,16 @@ ADOPT = (
 -- C takes over a running job from a holder that is still answering through C (a worker
 -- that reconnected to another router). Output so far stays; the old holder is fenced off.
 -- ARGV[8] job id, ARGV[9] the attempt the worker runs (a job run again since is not its).
--- Returns the start fields (with the job's last seq), or nil.
+-- Returns the start fields (with the job's last seq) and its trail (ids, exact, head), or nil.
 local id = ARGV[8]
 local f = redis.call('HMGET', JP .. id, unpack(FIELDS))
 if f[1] ~= 'running' or tonumber(f[4]) ~= tonumber(ARGV[9]) then return nil end
 local q, entry = redis.call('HGET', JP .. id, 'queue'), f[2]
 if #redis.call('XCLAIM', q, G, C, 0, entry, 'JUSTID') ~= 1 then return nil end
 redis.call('HSET', JP .. id, 'owner', C)
-return {id, q, entry, tonumber(f[4]), f[5], f[6], f[7], f[8], f[9], f[11] or ''}
+local t = redis.call('HMGET', JP .. id, 'ids', 'exact', 'head')
+return {id, q, entry, tonumber(f[4]), f[5], f[6], f[7], f[8], f[9], f[11] or '',
+        t[1] or '', t[2] or '', t[3] or ''}
 """
 )
 

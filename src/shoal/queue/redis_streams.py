@@ -41,6 +41,7 @@ from redis.typing import EncodableT
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import Continuation, Endpoint, ErrorBody
 from shoal.queue import events, redis_scripts
+from shoal.queue.answer import AnswerSoFar, answer_of_trail
 from shoal.queue.events import Assigned, Delivered, Failed, Published, Requeued, Trail
 from shoal.queue.redis_calls import QueueCalls
 from shoal.queue.redis_keys import (
@@ -110,6 +111,8 @@ class Claimed:
     """What the client has of the answer: go on from there (its worker was lost)."""
     resumes: int = 0
     """Times the answer went on elsewhere so far."""
+    answer: AnswerSoFar | None = None
+    """Adopted: what the client has of its answer, from the job's trail."""
 
     async def renew(self) -> Lease:
         return (await self.queue.renew([self]))[self.job.id]
@@ -442,7 +445,11 @@ class RedisJobQueue:
         longer running, or is running as another ``attempt`` (it was run again elsewhere).
         """
         row = await self.calls.run("ADOPT", [], [job_id, attempt])
-        return None if row is None else self._claimed(row)
+        if row is None:
+            return None
+        claimed = self._claimed(row[:10])
+        claimed.answer = answer_of_trail(*(text(v) for v in row[10:13]))
+        return claimed
 
     async def cancellations(self, *, block_ms: int | None = None) -> AsyncIterator[JobId]:
         """Ids of jobs this consumer holds that were cancelled, as they come (``BLPOP``)."""

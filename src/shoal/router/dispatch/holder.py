@@ -171,7 +171,10 @@ class Holder:
             return
         qjob = claimed.job
         job = Job(id=qjob.id, model=qjob.model, endpoint=qjob.endpoint, stream=qjob.stream, body={})
-        self.running.adopt(claimed, job, worker, claimed.attempt, started=claimed.seq > 0)
+        job.resumes = claimed.resumes
+        self.running.adopt(
+            claimed, job, worker, claimed.attempt, started=claimed.seq > 0, answer=claimed.answer
+        )
         worker.send(JobResume(job_id=job.id, from_chunk=claimed.seq))
         log.info(
             "job %s model=%s adopted: worker %s resumes it from chunk %d",

@@ -158,14 +158,23 @@ class Running(Generic[T]):
         return self.registry.get(worker_id) if worker_id else None
 
     def adopt(
-        self, ticket: T, job: Job, worker: WorkerConnection, attempt: int, *, started: bool
+        self,
+        ticket: T,
+        job: Job,
+        worker: WorkerConnection,
+        attempt: int,
+        *,
+        started: bool,
+        answer: AnswerSoFar | None = None,
     ) -> None:
         """Count ``job``, already running on ``worker`` (a worker that reconnected), as here;
-        ``started``: it has output already (it cannot run again)."""
+        ``started``: it has output already (it cannot run again); ``answer``: what the
+        client has of it, when known (its trail in Redis)."""
         job.worker_id = worker.id
         job.transition(JobState.ASSIGNED, f"adopted on worker {worker.id}")
         worker.running[job.id] = job
-        answer = AnswerSoFar.unknown() if started else AnswerSoFar()
+        if answer is None or not started:
+            answer = AnswerSoFar.unknown() if started else AnswerSoFar()
         self._placed[job.id] = Placed(ticket, job, worker, attempt, answer)
 
     def _held_by(self, worker: WorkerConnection, job_id: JobId) -> Placed[T] | None:

@@ -61,17 +61,28 @@ def test_unknown_endpoint_is_rejected() -> None:
 
 
 def test_fast_chunk_encoding_is_the_chunks_message() -> None:
-    items = [(JobId("job_1"), '{"a": "é\\n\\"q\\""}'), (JobId("job_2"), "[DONE]")]
+    items = [
+        (JobId("job_1"), '{"a": "é\\n\\"q\\""}', None),
+        (JobId("job_2"), "[DONE]", None),
+        (JobId("job_3"), "x", (5, 7)),
+    ]
     fast = encode_chunks(items)
-    slow = encode(Chunks(items=tuple(Chunk(job_id=j, data=d) for j, d in items)))
-    assert fast == slow.encode()
+    slow = encode(
+        Chunks(
+            items=tuple(
+                Chunk(job_id=j, data=d) if t is None else Chunk(job_id=j, data=d, tokens=t)
+                for j, d, t in items
+            )
+        )
+    )
+    assert fast == slow.replace(',"tokens":null', "").encode()
     assert decode_worker_message(fast) == Chunks(
-        items=tuple(Chunk(job_id=j, data=d) for j, d in items)
+        items=tuple(Chunk(job_id=j, data=d, tokens=t) for j, d, t in items)
     )
 
 
 def test_fast_chunk_decoding_matches_the_model() -> None:
-    items = [(JobId("job_1"), '{"a": "é\\n"}'), (JobId("job_2"), "x")]
+    items = [(JobId("job_1"), '{"a": "é\\n"}', None), (JobId("job_2"), "x", (1, 2, 3))]
     frame = encode_chunks(items)
     assert decode_chunk_items(frame) == items
     assert decode_chunk_items(frame.decode()) == items
@@ -85,6 +96,7 @@ def test_fast_chunk_decoding_matches_the_model() -> None:
         b'{"type":"chunks","items":[{"job_id":"j","data":"x","more":1}]}',
         b'{"type":"chunks","items":[["j","x"]]}',
         b'{"type":"chunks","items":[],"extra":true}',
+        b'{"type":"chunks","items":[{"job_id":"j","data":"x","tokens":["a"]}]}',
         b'{"type":"chunks","items":[{"job_id":"j"',
     ],
 )

@@ -27,9 +27,20 @@ from redis.backoff import NoBackoff
 
 from redis_server import OwnRedis, free_port, own_redis_server
 from shoal.protocol.ids import JobId, ModelName, new_job_id
-from shoal.protocol.messages import Endpoint, ErrorBody
+from shoal.protocol.messages import Continuation, Endpoint, ErrorBody
 from shoal.queue import events
-from shoal.queue.events import Assigned, Data, Delivered, Done, Failed, JobEvent, Requeued, Result
+from shoal.queue.events import (
+    Assigned,
+    Data,
+    Delivered,
+    Done,
+    Failed,
+    JobEvent,
+    Requeued,
+    Result,
+    Trail,
+)
+from shoal.queue.redis_consumer import coalesce
 from shoal.queue.redis_keys import GROUP, RedisKeys
 from shoal.queue.redis_streams import Claimed, RedisJobQueue
 from shoal.queue.redis_support import (
@@ -796,3 +807,54 @@ async def test_a_foreign_entry_fails_only_its_own_reader(queue: Factory, prefix:
             await read_tail(tail, bad.id)
         await worker.publish(claims[good.id], Done())
         assert outputs(await read_tail(tail, good.id)) == [Done()]
+
+
+async def test_a_dead_holder_mid_answer_goes_on_from_its_trail(queue: Factory) -> None:
+    """The holder published output with its trail and died: the sweep puts the job back with
+    the ids the client has, and the next consumer is told to go on from there."""
+    router, dead, alive = queue("r1", resume_attempts=1), queue("dead"), queue("alive")
+    j = job()
+    await router.enqueue(j)
+    lost = await claim_one(dead)
+    head = Trail((), True, "chatcmpl-3", 17)
+    await dead.publish_many(
+        [(lost, Data("one")), (lost, head), (lost, Data("two")), (lost, Trail((5, 6), True))]
+    )
+    await asyncio.sleep(LEASE_MS / 1000 + 0.05)
+
+    swept = await router.sweep()
+    assert (swept.resumed, swept.failed) == (1, 0)
+    again = await claim_one(alive)
+    assert again.job.id == j.id and again.resumes == 1
+    assert again.resume == Continuation(tokens=(5, 6), id="chatcmpl-3", created=17)
+    await alive.publish_many([(again, Data("three")), (again, Trail((7,), False))])
+    await asyncio.sleep(LEASE_MS / 1000 + 0.05)
+    # Its last chunk's ids were not exact, and it is out of attempts anyway: it fails.
+    assert (await router.sweep()).failed == 1
+    evs = await read_all(router, j.id)
+    assert [e for e in evs if isinstance(e, Data)] == [Data("one"), Data("two"), Data("three")]
+    assert Requeued("the worker holding this job was lost mid-answer; another goes on") in evs
+
+
+def test_one_trail_per_job_per_batch_after_its_output(queue: Factory) -> None:
+    q = queue("c1")
+    ca, cb = (
+        Claimed(QueuedJob(JobId(name), MODEL, Endpoint.CHAT, True, {}), "0-1", 1, q)
+        for name in ("a", "b")
+    )
+    merged = coalesce(
+        [
+            (ca, Data("1")),
+            (ca, Trail((1,), True, "id-a", 3)),
+            (cb, Trail((9,), False)),
+            (ca, Data("2")),
+            (ca, Trail((), False)),
+            (ca, Trail((2, 3), True)),
+        ]
+    )
+    assert merged == [
+        (ca, Data("1")),
+        (ca, Data("2")),
+        (ca, Trail((1, 2, 3), True, "id-a", 3)),
+        (cb, Trail((9,), False)),
+    ]

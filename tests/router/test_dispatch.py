@@ -7,17 +7,22 @@ from socketless import memory_dispatcher, worker_connection
 
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import (
+    Continuation,
     Endpoint,
+    ErrorBody,
     JobCancel,
+    JobFailed,
     JobStart,
     ModelInfo,
     RunningJob,
     decode_router_message,
 )
+from shoal.queue.events import ClientEvent, Failed
 from shoal.router.dispatch.fair_queue import Tenant
 from shoal.router.dispatch.interface import Dispatcher
-from shoal.router.dispatch.job import JobState, Submission
+from shoal.router.dispatch.job import Job, JobState, Submission
 from shoal.router.errors import QueueFull
+from shoal.router.settings import RouterSettings
 from shoal.router.workers import WorkerConnection
 
 M = ModelName("smol")
@@ -107,3 +112,72 @@ def test_a_key_that_may_not_wait_runs_only_on_a_free_slot() -> None:
     with pytest.raises(QueueFull, match="its requests may not wait for a worker"):
         dispatcher.submit(ask)
     assert not dispatcher.queue_depths().get(M)
+
+
+def _starts(worker: WorkerConnection) -> list[JobStart]:
+    out = []
+    while not worker.outbox.empty():
+        msg = decode_router_message(worker.outbox.get_nowait())
+        if isinstance(msg, JobStart):
+            out.append(msg)
+    return out
+
+
+def _events(job: Job) -> list[ClientEvent]:
+    out = []
+    while not job.events.empty():
+        out.append(job.events.get_nowait())
+    return out
+
+
+HEAD = '{"id":"chatcmpl-1","created":7,"choices":[{"delta":{"role":"assistant"}}]}'
+
+
+def test_an_answer_whose_worker_is_lost_goes_on_elsewhere_from_its_tokens() -> None:
+    dispatcher = memory_dispatcher(RouterSettings(resume_attempts=1))
+    first = connect(dispatcher, "first", (Endpoint.CHAT,))
+    job = dispatcher.submit(Submission(M, Endpoint.CHAT, True, {"messages": []}))
+    [start] = _starts(first)
+    assert start.resume is None
+    dispatcher.workers.on_chunks(first, [(job.id, HEAD, ()), (job.id, "a", (1, 2))])
+    second = connect(dispatcher, "second", (Endpoint.CHAT,))
+    dispatcher.workers.on_lost(first, "test")
+    assert job.state is JobState.ASSIGNED and job.worker_id == "second"
+    [again] = _starts(second)
+    assert again.resume == Continuation(tokens=(1, 2), id="chatcmpl-1", created=7)
+    assert again.attempt == 2
+    dispatcher.workers.on_chunks(first, [(job.id, "late", (3,))])  # fenced: not its job now
+    dispatcher.workers.on_chunks(second, [(job.id, "b", (3,))])
+    assert [type(e).__name__ for e in _events(job)] == ["Data", "Data", "Requeued", "Data"]
+    assert job.state is JobState.STREAMING
+    # Out of resume attempts: the next loss ends the stream with the 502 of a lost worker.
+    dispatcher.workers.on_lost(second, "test")
+    [failed] = _events(job)
+    assert isinstance(failed, Failed) and failed.error.code == "worker_lost"
+
+
+def test_an_answer_whose_tokens_are_not_known_fails_as_before() -> None:
+    dispatcher = memory_dispatcher()
+    first = connect(dispatcher, "first", (Endpoint.CHAT,))
+    connect(dispatcher, "second", (Endpoint.CHAT,))
+    job = dispatcher.submit(Submission(M, Endpoint.CHAT, True, {"messages": []}))
+    owner = first if job.worker_id == "first" else dispatcher.registry.get(job.worker_id or "")
+    assert owner is not None
+    dispatcher.workers.on_chunks(owner, [(job.id, HEAD, ()), (job.id, "a", None)])
+    dispatcher.workers.on_lost(owner, "test")
+    assert isinstance(_events(job)[-1], Failed)
+
+
+def test_a_dead_backend_mid_answer_goes_on_elsewhere_but_not_when_nobody_serves_it() -> None:
+    dispatcher = memory_dispatcher()
+    only = connect(dispatcher, "only", (Endpoint.COMPLETIONS,))
+    job = dispatcher.submit(Submission(M, Endpoint.COMPLETIONS, True, {"prompt": "x"}))
+    dispatcher.workers.on_chunks(only, [(job.id, HEAD, (4,))])
+    _starts(only)
+    error = ErrorBody(message="backend died", type="server_error", code="backend_error")
+    dead = JobFailed(job_id=job.id, status=502, error=error, started=True, resumable=True)
+    dispatcher.workers.on_message(only, dead)
+    [again] = _starts(only)  # its llama-server restarts; the same worker may go on
+    assert again.resume is not None and again.resume.tokens == (4,)
+    dispatcher.workers.on_lost(only, "test")  # and now nobody serves the model
+    assert isinstance(_events(job)[-1], Failed)

@@ -16,6 +16,7 @@ from socketless import worker_connection
 
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import (
+    Continuation,
     Endpoint,
     ErrorBody,
     JobCancel,
@@ -104,7 +105,7 @@ async def test_job_sent_to_one_router_runs_on_a_worker_of_another(make: Factory)
     await a.wait_assigned(job)
     start = await frame(worker)
     assert isinstance(start, JobStart) and start.job_id == job.id
-    b.workers.on_chunks(worker, [(job.id, "one"), (job.id, "two")])
+    b.workers.on_chunks(worker, [(job.id, "one", None), (job.id, "two", None)])
     b.workers.on_message(worker, JobDone(job_id=job.id))
     got = [await asyncio.wait_for(job.events.get(), WAIT_S) for _ in range(3)]
     assert got == [Data("one"), Data("two"), Done()]
@@ -204,7 +205,7 @@ async def test_worker_whose_router_died_resumes_its_stream_through_another(make:
     await a.wait_assigned(job)
     start = await frame(worker)
     assert isinstance(start, JobStart) and start.attempt == 1
-    b.workers.on_chunks(worker, [(job.id, "one"), (job.id, "two")])
+    b.workers.on_chunks(worker, [(job.id, "one", None), (job.id, "two", None)])
     got = [await asyncio.wait_for(job.events.get(), WAIT_S) for _ in range(2)]
     assert got == [Data("one"), Data("two")]
     # B is gone for the worker (it still runs the job); it registers with C, holding it.
@@ -212,9 +213,9 @@ async def test_worker_whose_router_died_resumes_its_stream_through_another(make:
     assert len(again.running) == 1  # the slot is busy from the start
     resume = await frame(again)
     assert resume == JobResume(job_id=job.id, from_chunk=2)
-    b.workers.on_chunks(worker, [(job.id, "stale")])  # the old holder is fenced off
+    b.workers.on_chunks(worker, [(job.id, "stale", None)])  # the old holder is fenced off
     assert await frame(worker) == JobCancel(job_id=job.id)
-    c.workers.on_chunks(again, [(job.id, "three")])
+    c.workers.on_chunks(again, [(job.id, "three", None)])
     c.workers.on_message(again, JobDone(job_id=job.id))
     got = [await asyncio.wait_for(job.events.get(), WAIT_S) for _ in range(2)]
     assert got == [Data("three"), Done()]
@@ -236,3 +237,57 @@ async def test_a_job_run_again_elsewhere_is_cancelled_on_the_reconnecting_worker
     unknown = connect(a, "wc", held=(RunningJob(job_id=JobId("job-gone"), attempt=1),))
     assert await frame(unknown) == JobCancel(job_id=JobId("job-gone"))
     await until(lambda: not stale.running and not unknown.running)
+
+
+async def test_an_answer_whose_worker_is_lost_goes_on_on_another_routers_worker(
+    make: Factory,
+) -> None:
+    a, b, c = await make(), await make(), await make(resume_attempts=1)
+    first = connect(b, "wb")
+    await until(lambda: a.remote_workers())
+    job = a.submit(Submission(M, Endpoint.CHAT, True, {"messages": []}))
+    await a.wait_assigned(job)
+    start = await frame(first)
+    assert isinstance(start, JobStart) and start.resume is None
+    head = '{"id":"chatcmpl-9","created":3}'
+    b.workers.on_chunks(first, [(job.id, head, ()), (job.id, "one", (11, 12))])
+    got = [await asyncio.wait_for(job.events.get(), WAIT_S) for _ in range(2)]
+    assert got == [Data(head), Data("one")]
+    second = connect(c, "wc")  # another router's worker
+    b.workers.on_lost(first, "test")
+    again = await frame(second)
+    assert isinstance(again, JobStart) and again.job_id == job.id
+    assert again.resume == Continuation(tokens=(11, 12), id="chatcmpl-9", created=3)
+    b.workers.on_chunks(first, [(job.id, "stale", (13,))])  # fenced off: no longer its job
+    c.workers.on_chunks(second, [(job.id, "two", (13,))])
+    c.workers.on_message(second, JobDone(job_id=job.id))
+    got = [await asyncio.wait_for(job.events.get(), WAIT_S) for _ in range(3)]
+    assert isinstance(got[0], Requeued) and got[1:] == [Data("two"), Done()]
+    assert job.state is JobState.SUCCEEDED
+
+
+async def test_an_adopted_answer_goes_on_from_its_trail_when_its_worker_dies_too(
+    make: Factory,
+) -> None:
+    """Router B dies mid-answer; its worker reconnects to C, which adopts the job and learns
+    from the trail in Redis which tokens the client has; then the worker dies too: another of
+    C's workers goes on with every token."""
+    a, b, c = await make(), await make(), await make()
+    worker = connect(b, "wb")
+    await until(lambda: a.remote_workers())
+    job = a.submit(Submission(M, Endpoint.CHAT, True, {}))
+    await a.wait_assigned(job)
+    assert isinstance(await frame(worker), JobStart)
+    head = '{"id":"chatcmpl-5","created":8}'
+    b.workers.on_chunks(worker, [(job.id, head, ()), (job.id, "one", (1, 2))])
+    got = [await asyncio.wait_for(job.events.get(), WAIT_S) for _ in range(2)]
+    assert got == [Data(head), Data("one")]
+    again = connect(c, "wb", held=(RunningJob(job_id=job.id, attempt=1),))
+    assert await frame(again) == JobResume(job_id=job.id, from_chunk=2)
+    c.workers.on_chunks(again, [(job.id, "two", (3,))])
+    assert await asyncio.wait_for(job.events.get(), WAIT_S) == Data("two")
+    spare = connect(c, "spare")
+    c.workers.on_lost(again, "test")
+    start = await frame(spare)
+    assert isinstance(start, JobStart) and start.job_id == job.id
+    assert start.resume == Continuation(tokens=(1, 2, 3), id="chatcmpl-5", created=8)

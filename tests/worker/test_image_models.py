@@ -70,7 +70,7 @@ class Sink:
     def __init__(self) -> None:
         self.outcomes: list[JobOutcome] = []
 
-    def chunk(self, job_id: JobId, data: str) -> None:
+    def chunk(self, job_id: JobId, data: str, tokens: tuple[int, ...] | None = None) -> None:
         pass
 
     def send(self, message: JobOutcome, /) -> None:

@@ -32,9 +32,11 @@ from shoal.protocol.shards import (
     TunnelDial,
 )
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 5
 """Bumped on any incompatible change; a router refuses workers that speak another version.
-6: ``ShardStart.file`` (messages forbid unknown fields, so a v5 worker could not read it)."""
+5: chunks carry token ids (resuming answers); ``ShardStart`` names the stage's layers and the
+pinned file, ``ShardStatus`` reports its seeding (messages forbid unknown fields, so a v4
+worker could read none of these)."""
 
 WS_PATH = "/ws/worker"
 
@@ -191,6 +193,10 @@ class Chunk(Message):
 
     job_id: JobId
     data: str
+    tokens: tuple[int, ...] | None = None
+    """The ids of the tokens whose text this payload completes (what the stream sent up to
+    here is exactly the text of every id sent so far; ``()``: none completed here). None:
+    the worker does not know them, and the job cannot be resumed exactly from here on."""
 
 
 class Chunks(Message):
@@ -226,6 +232,8 @@ class JobFailed(Message):
     """True when chunks were already sent: the router ends the stream with an error event."""
     retryable: bool = False
     """Nothing reached the backend's model (e.g. it was restarting): another worker may run it."""
+    resumable: bool = False
+    """The backend died mid-answer (not the request's fault): another worker may go on."""
 
 
 WorkerMessage = Annotated[
@@ -268,6 +276,18 @@ class Refused(Message):
     reason: str
 
 
+class Continuation(Message):
+    """What the client already has of an answer whose worker was lost: the worker going on
+    asks its backend for the prompt followed by exactly these tokens, and makes what follows
+    look like the rest of the same stream."""
+
+    tokens: tuple[int, ...]
+    """The ids of every token whose text the client got, in order."""
+    id: str | None = None
+    """The completion id the client saw (its chunks keep it)."""
+    created: int | None = None
+
+
 class JobStart(Message):
     type: Literal["job"] = "job"
     job_id: JobId
@@ -277,6 +297,8 @@ class JobStart(Message):
     body: dict[str, Any]
     attempt: int = Field(1, ge=1)
     """Which run of the job this is (a job is run again when its first worker was lost)."""
+    resume: Continuation | None = None
+    """Go on with an answer another worker started: the client has its first part."""
 
 
 class JobCancel(Message):
@@ -328,22 +350,35 @@ def encode(message: Message) -> str:
     return message.model_dump_json()
 
 
-def encode_chunks(items: Sequence[tuple[JobId, str]]) -> bytes:
-    """The ``Chunks`` frame for ``(job_id, data)`` pairs, built without models.
+ChunkItem = tuple[JobId, str, tuple[int, ...] | None]
+"""A chunk on the hot path: job id, data, token ids (``Chunk``)."""
+
+
+def encode_chunks(items: Sequence[ChunkItem]) -> bytes:
+    """The ``Chunks`` frame for ``(job_id, data, tokens)`` items, built without models.
 
     The hot path: one call per frame under load, ~10x cheaper than ``encode(Chunks(...))``
     and the same bytes (tests/protocol checks it).
     """
-    return orjson.dumps({"type": "chunks", "items": [{"job_id": j, "data": d} for j, d in items]})
+    return orjson.dumps(
+        {
+            "type": "chunks",
+            "items": [
+                {"job_id": j, "data": d} if t is None else {"job_id": j, "data": d, "tokens": t}
+                for j, d, t in items
+            ],
+        }
+    )
 
 
 _CHUNKS_HEAD = b'{"type":"chunks","items":['
 _CHUNK_KEYS = {"job_id", "data"}
+_CHUNK_KEYS_TOKENS = {"job_id", "data", "tokens"}
 _FRAME_KEYS = {"type", "items"}
 
 
-def decode_chunk_items(frame: str | bytes) -> list[tuple[JobId, str]] | None:
-    """The ``(job_id, data)`` pairs of a ``Chunks`` frame, or None for any other frame.
+def decode_chunk_items(frame: str | bytes) -> list[ChunkItem] | None:
+    """The ``(job_id, data, tokens)`` items of a ``Chunks`` frame, or None for any other frame.
 
     The hot path's decoder: the same checks as the ``Chunks`` model (exact keys, strings),
     without building a model per chunk (~4x cheaper). Raises ``ValueError`` when a frame
@@ -355,17 +390,25 @@ def decode_chunk_items(frame: str | bytes) -> list[tuple[JobId, str]] | None:
     obj = orjson.loads(raw)
     if not isinstance(obj, dict) or obj.keys() != _FRAME_KEYS or not isinstance(obj["items"], list):
         raise ValueError("malformed chunks frame")
-    out: list[tuple[JobId, str]] = []
+    out: list[ChunkItem] = []
     for item in obj["items"]:
         if (
             not isinstance(item, dict)
-            or item.keys() != _CHUNK_KEYS
+            or (item.keys() != _CHUNK_KEYS and item.keys() != _CHUNK_KEYS_TOKENS)
             or not isinstance(item["job_id"], str)
             or not isinstance(item["data"], str)
         ):
             raise ValueError("malformed chunk in a chunks frame")
-        out.append((JobId(item["job_id"]), item["data"]))
+        out.append((JobId(item["job_id"]), item["data"], _token_ids(item.get("tokens"))))
     return out
+
+
+def _token_ids(raw: object) -> tuple[int, ...] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not all(type(t) is int for t in raw):
+        raise ValueError("malformed token ids in a chunks frame")
+    return tuple(raw)
 
 
 def decode_worker_message(frame: str | bytes) -> WorkerMessage:
@@ -382,7 +425,9 @@ __all__ = [
     "WS_PATH",
     "BackendState",
     "Chunk",
+    "ChunkItem",
     "Chunks",
+    "Continuation",
     "DevicePlacement",
     "Endpoint",
     "ErrorBody",

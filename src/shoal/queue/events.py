@@ -63,11 +63,25 @@ class Requeued:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class Trail:
+    """What the client has of the answer, for another worker to go on if the holder dies
+    (``queue.answer``): the token ids completed since the last trail, whether the client's
+    text is now exactly the text of every id, and the answer's id and creation time (once).
+    Kept in the job's hash, never in its output stream."""
+
+    tokens: tuple[int, ...]
+    exact: bool
+    answer_id: str | None = None
+    created: int | None = None
+
+
 OutputEvent = Data | Result | Done | Failed
 """What a job's holder publishes."""
 
-Published = OutputEvent | Assigned
-"""What a consumer publishes: the job's output, and which of its workers runs it."""
+Published = OutputEvent | Assigned | Trail
+"""What a consumer publishes: the job's output, which of its workers runs it, and what the
+client has of the answer."""
 
 JobEvent = OutputEvent | Assigned | Requeued
 """What a reader of a job's output sees."""
@@ -122,8 +136,13 @@ def worker_lost(why: str) -> Failed:
     )
 
 
-def encode(event: JobEvent) -> bytes:
+def encode(event: JobEvent | Trail) -> bytes:
     match event:
+        case Trail(tokens=tokens, exact=exact, answer_id=answer_id, created=created):
+            trail: dict[str, object] = {"t": "trail", "k": tokens, "x": exact}
+            if answer_id is not None:
+                trail["h"] = {"id": answer_id, "created": created}
+            return orjson.dumps(trail)
         case Data(data=data):
             return orjson.dumps({"t": "data", "d": data})
         case Result(body=body):

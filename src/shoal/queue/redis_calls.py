@@ -33,6 +33,7 @@ T = TypeVar("T")
 SCRIPTS = ("ENQUEUE", "TAKE", "CLAIM", "RECLAIM", "RENEW", "PUBLISH") + (
     "ACK",
     "GIVE_BACK",
+    "GO_ON",
     "ADOPT",
     "CANCEL",
     "PRUNE",

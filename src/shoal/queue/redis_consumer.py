@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from shoal.protocol.ids import JobId
+from shoal.protocol.messages import Continuation
 from shoal.queue import events
 from shoal.queue.redis_recovery import LOST_AFTER_START
 from shoal.queue.redis_streams import Claimed, RedisJobQueue
@@ -36,10 +37,12 @@ SWEEP_EVERY_LEASES = 0.5  # sweep for dead holders twice per lease
 
 @dataclass(frozen=True, slots=True)
 class GiveBack:
-    """Put a job that published nothing back in its queue."""
+    """Put a job that published nothing back in its queue; or, with ``resume``, one that
+    answered in part, to go on from there."""
 
     claimed: Claimed
     reason: str
+    resume: Continuation | None = None
 
 
 Outgoing = tuple[Claimed, events.Published] | GiveBack
@@ -53,6 +56,30 @@ class HeldJobs(Protocol):
     def stop_job(self, job_id: JobId) -> Claimed | None:
         """Stop the job here (cancelled, taken over) and free its slot; its claim, if held."""
         ...
+
+
+def coalesce(
+    items: list[tuple[Claimed, events.Published]],
+) -> list[tuple[Claimed, events.Published]]:
+    """One ``Trail`` per job per batch, after its other events (a batch is written in one
+    step, so the trail still matches the output): its ids in order, exact as the last."""
+    out: list[tuple[Claimed, events.Published]] = []
+    trails: dict[JobId, tuple[Claimed, events.Trail]] = {}
+    for claimed, event in items:
+        if not isinstance(event, events.Trail):
+            out.append((claimed, event))
+            continue
+        seen = trails.get(claimed.job.id)
+        if seen is not None:
+            first = seen[1]
+            event = events.Trail(
+                first.tokens + event.tokens,
+                event.exact,
+                first.answer_id or event.answer_id,
+                first.created if first.created is not None else event.created,
+            )
+        trails[claimed.job.id] = (claimed, event)
+    return out + list(trails.values())
 
 
 class ConsumerLoops:
@@ -89,16 +116,19 @@ class ConsumerLoops:
             raise_if_cancelled()
 
     async def publish(self, batch: list[Outgoing]) -> None:
-        outputs = [item for item in batch if not isinstance(item, GiveBack)]
+        outputs = coalesce([item for item in batch if not isinstance(item, GiveBack)])
         leases = await self.queue.publish_many(outputs)
         for job_id, lease in leases.items():
             if lease is not Lease.HELD:
                 await self._lost_lease(job_id, lease)
         for item in batch:
-            if isinstance(item, GiveBack) and not await self.queue.requeue(
-                item.claimed, item.reason
-            ):
+            if isinstance(item, GiveBack) and not await self._give_back(item):
                 await self.queue.publish(item.claimed, LOST_AFTER_START)
+
+    async def _give_back(self, item: GiveBack) -> bool:
+        if item.resume is None:
+            return await self.queue.requeue(item.claimed, item.reason)
+        return await self.queue.go_on(item.claimed, item.reason, item.resume)
 
     async def _lost_lease(self, job_id: JobId, lease: Lease) -> None:
         claimed = self.jobs.stop_job(job_id)

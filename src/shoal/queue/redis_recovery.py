@@ -4,8 +4,11 @@ A consumer that stops renewing for a lease (it died, or lost Redis for that long
 jobs: ``reclaim`` takes them over for this consumer, to run again, and ``sweep`` does it for
 every queue without running anything (it puts them back in their queue), pruning consumers
 gone for an hour. Either way a job that had published output is not run again: it fails with
-a 502 (``LOST_AFTER_START``: the client already saw part of an answer). Nothing is taken over
-within a lease of a Redis outage (``OutageLog.within``): holders get to renew first.
+a 502 (``LOST_AFTER_START``: the client already saw part of an answer), unless its trail
+says exactly which tokens the client has and it has resume attempts left: then it goes back
+to its queue with that continuation (``LOST_MID_ANSWER``), for another worker to go on.
+Nothing is taken over within a lease of a Redis outage (``OutageLog.within``): holders get
+to renew first.
 
 ``RedisJobQueue.reclaim`` and ``RedisJobQueue.sweep`` are the entry points; this module is
 their machinery (the ``RECLAIM`` and ``PRUNE`` scripts, paged).
@@ -40,17 +43,26 @@ LOST_AFTER_START = Failed(
     ),
 )
 LOST_BEFORE_START = Requeued("the worker holding this job was lost before it answered")
+LOST_MID_ANSWER = Requeued("the worker holding this job was lost mid-answer; another goes on")
 
 Row = list[Any]
 """A job taken over to run here, as the ``RECLAIM`` script returns it."""
 
 
 class Recovery:
-    def __init__(self, calls: QueueCalls, keys: RedisKeys, consumer: str, lease_ms: int) -> None:
+    def __init__(
+        self,
+        calls: QueueCalls,
+        keys: RedisKeys,
+        consumer: str,
+        lease_ms: int,
+        resume_attempts: int = 0,
+    ) -> None:
         self.calls = calls
         self.keys = keys
         self.consumer = consumer
         self.lease_ms = lease_ms
+        self.resume_attempts = resume_attempts
 
     async def take_over(self, queues: list[str], count: int, min_idle_ms: int | None) -> list[Row]:
         """Up to ``count`` jobs of ``queues`` whose holder has not renewed for
@@ -65,7 +77,7 @@ class Recovery:
 
     async def sweep(self, min_idle_ms: int | None) -> Sweep:
         """Put back (or fail) the lost jobs of every queue, and prune long-gone consumers."""
-        failed = requeued = pruned = 0
+        failed = requeued = pruned = resumed = 0
         queues = await self.calls.retry(
             lambda: self.calls.redis.smembers(self.keys.queues), "sweep"
         )
@@ -77,8 +89,9 @@ class Recovery:
             _, kinds = await self._reclaim(queue, None, min_idle_ms, run=False)
             failed += kinds.count("failed")
             requeued += kinds.count("requeued")
+            resumed += kinds.count("resumed")
             pruned += int(await self.calls.run("PRUNE", [queue], [CONSUMER_IDLE_MS]))
-        return Sweep(failed=failed, requeued=requeued, pruned=pruned)
+        return Sweep(failed=failed, requeued=requeued, pruned=pruned, resumed=resumed)
 
     async def _reclaim(
         self, queue: str, count: int | None, min_idle_ms: int | None, *, run: bool
@@ -91,6 +104,7 @@ class Recovery:
             batch = RECLAIM_BATCH if count is None else min(RECLAIM_BATCH, count - len(rows))
             args: list[EncodableT] = [idle, batch, "1" if run else "0", cursor]
             args += [events.encode(LOST_AFTER_START), events.encode(LOST_BEFORE_START)]
+            args += [self.resume_attempts, events.encode(LOST_MID_ANSWER)]
             reply = await self.calls.run("RECLAIM", [queue], args)
             cursor = text(reply[0])
             for row in reply[1:]:

@@ -55,7 +55,7 @@ local function requeue(q, entry, id)
 end
 
 local FIELDS = {'state', 'entry', 'owner', 'attempt', 'model', 'endpoint', 'stream', 'body',
-                'seq', 'started'}
+                'seq', 'started', 'resume'}
 
 -- hand a job to consumer C; nil if the entry is stale (job ended, cancelled, moved, expired)
 local function start(q, entry, id, reclaiming)
@@ -65,7 +65,7 @@ local function start(q, entry, id, reclaiming)
   local attempt = tonumber(f[4])
   if f[1] == 'running' and not reclaiming then
     if f[3] == C then  -- ours already: a re-sent call
-      return {id, q, entry, attempt, f[5], f[6], f[7], f[8], f[9]}
+      return {id, q, entry, attempt, f[5], f[6], f[7], f[8], f[9], f[11] or ''}
     end
     return nil  -- taken over by another consumer while this call was delayed: theirs now
   end
@@ -76,7 +76,7 @@ local function start(q, entry, id, reclaiming)
   attempt = attempt + 1
   redis.call('HSET', j, 'state', 'running', 'owner', C, 'attempt', attempt)
   emit(id, cjson.encode({t = 'assigned', consumer = C, attempt = attempt}))
-  return {id, q, entry, attempt, f[5], f[6], f[7], f[8], f[9]}
+  return {id, q, entry, attempt, f[5], f[6], f[7], f[8], f[9], f[11] or ''}
 end
 
 local function job_of(fields)
@@ -199,7 +199,30 @@ RECLAIM = (
 -- Take over entries of KEYS[1] idle for ARGV[8] ms (their holder stopped renewing).
 -- ARGV[9] count, ARGV[10] '1' to run them here or '0' to put them back in the queue,
 -- ARGV[11] XAUTOCLAIM cursor, ARGV[12] the Failed event for jobs that had started,
--- ARGV[13] the Requeued event. Returns {next cursor, {kind, job id, start fields...}...}.
+-- ARGV[13] the Requeued event, ARGV[14] resume attempts, ARGV[15] the Requeued event of a
+-- job lost mid-answer that goes on from its trail (exact, a streamed chat or completion,
+-- attempts left). Returns {next cursor, {kind, job id, start fields...}...}.
+local function go_on(q, entry, id)
+  local j = JP .. id
+  local g = redis.call('HMGET', j, 'exact', 'ids', 'head', 'resume', 'stream', 'endpoint')
+  if g[1] ~= '1' or g[5] ~= '1' or (g[6] ~= 'chat' and g[6] ~= 'completions') then
+    return false
+  end
+  local n = 0
+  if g[4] and g[4] ~= '' then n = tonumber(cjson.decode(g[4]).resumes) end
+  if n >= tonumber(ARGV[14]) then return false end
+  local head = {}
+  if g[3] then head = cjson.decode(g[3]) end
+  local answer_id, created = 'null', 'null'
+  if type(head.id) == 'string' then answer_id = cjson.encode(head.id) end
+  if type(head.created) == 'number' then created = string.format('%d', head.created) end
+  requeue(q, entry, id)
+  redis.call('HSET', j, 'resume', '{"resumes":' .. (n + 1) .. ',"resume":{"tokens":['
+    .. (g[2] or '') .. '],"id":' .. answer_id .. ',"created":' .. created .. '}}')
+  emit(id, ARGV[15])
+  return true
+end
+
 local q = KEYS[1]
 local r = redis.call('XAUTOCLAIM', q, G, C, ARGV[8], ARGV[11], 'COUNT', ARGV[9])
 local res = {r[1]}
@@ -210,6 +233,8 @@ for _, e in ipairs(r[2]) do
   if (f[1] ~= 'running' and f[1] ~= 'waiting') or f[2] ~= entry then
     drop(q, entry)  -- ended, cancelled, moved or expired: nothing to run
     if f[1] == 'cancelled' and f[2] == entry then finish(id, 'cancelled') end
+  elseif f[3] == '1' and go_on(q, entry, id) then
+    res[#res + 1] = {'resumed', id}
   elseif f[3] == '1' then
     emit(id, ARGV[12])
     drop(q, entry)
@@ -255,10 +280,23 @@ return res
 PUBLISH = (
     _PRELUDE
     + """
+-- what the client has of the answer (a Trail event): ids appended, exact flag, head once
+local function trail(j, t)
+  if #t.k > 0 then
+    local ids = redis.call('HGET', j, 'ids')
+    local more = table.concat(t.k, ',')
+    if ids and ids ~= '' then more = ids .. ',' .. more end
+    redis.call('HSET', j, 'ids', more)
+  end
+  redis.call('HSET', j, 'exact', t.x and '1' or '0')
+  if t.h then redis.call('HSET', j, 'head', cjson.encode(t.h)) end
+end
+
 -- Append output events of jobs C holds. ARGV[8..]: (job id, seq, kind, payload) quads,
--- kind d(ata) r(esult) x (done) f(ailed), or a(ssigned): the worker C runs the job on,
--- unnumbered (its seq is ignored). A seq at or below the job's last one was already
--- written (a re-sent call) and is skipped. A final event ends the job and acks its entry.
+-- kind d(ata) r(esult) x (done) f(ailed), or a(ssigned): the worker C runs the job on, or
+-- t(rail): what the client has, kept in the job's hash; both unnumbered (seq ignored).
+-- A seq at or below the job's last one was already written (a re-sent call) and is skipped.
+-- A final event ends the job and acks its entry.
 -- Per event: 1 written (or already), 0 not C's job any more, 2 cancelled.
 local res = {}
 for i = 8, #ARGV, 4 do
@@ -271,6 +309,13 @@ for i = 8, #ARGV, 4 do
   elseif kind == 'a' then
     if f[1] == 'running' then
       emit(id, ARGV[i + 3])
+      code = 1
+    elseif f[1] == 'cancelled' then
+      code = 2
+    end
+  elseif kind == 't' then
+    if f[1] == 'running' then
+      trail(j, cjson.decode(ARGV[i + 3]))
       code = 1
     elseif f[1] == 'cancelled' then
       code = 2
@@ -339,20 +384,39 @@ return 1
 """
 )
 
+GO_ON = (
+    _PRELUDE
+    + """
+-- C puts back a job that answered in part, to go on elsewhere (its worker was lost): at the
+-- tail of its queue, with what the client has (ARGV[11], the continuation) for the next
+-- holder. ARGV[8] job id, ARGV[9] entry, ARGV[10] the Requeued event. Returns 1 put back,
+-- 0 not C's job.
+local id, entry = ARGV[8], ARGV[9]
+local f = redis.call('HMGET', JP .. id, 'state', 'owner', 'entry', 'queue')
+if f[1] ~= 'running' or f[2] ~= C or f[3] ~= entry then return 0 end
+requeue(f[4], entry, id)
+redis.call('HSET', JP .. id, 'resume', ARGV[11])
+emit(id, ARGV[10])
+return 1
+"""
+)
+
 ADOPT = (
     _PRELUDE
     + """
 -- C takes over a running job from a holder that is still answering through C (a worker
 -- that reconnected to another router). Output so far stays; the old holder is fenced off.
 -- ARGV[8] job id, ARGV[9] the attempt the worker runs (a job run again since is not its).
--- Returns the start fields (with the job's last seq), or nil.
+-- Returns the start fields (with the job's last seq) and its trail (ids, exact, head), or nil.
 local id = ARGV[8]
 local f = redis.call('HMGET', JP .. id, unpack(FIELDS))
 if f[1] ~= 'running' or tonumber(f[4]) ~= tonumber(ARGV[9]) then return nil end
 local q, entry = redis.call('HGET', JP .. id, 'queue'), f[2]
 if #redis.call('XCLAIM', q, G, C, 0, entry, 'JUSTID') ~= 1 then return nil end
 redis.call('HSET', JP .. id, 'owner', C)
-return {id, q, entry, tonumber(f[4]), f[5], f[6], f[7], f[8], f[9]}
+local t = redis.call('HMGET', JP .. id, 'ids', 'exact', 'head')
+return {id, q, entry, tonumber(f[4]), f[5], f[6], f[7], f[8], f[9], f[11] or '',
+        t[1] or '', t[2] or '', t[3] or ''}
 """
 )
 

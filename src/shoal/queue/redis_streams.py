@@ -39,9 +39,10 @@ import redis.exceptions
 from redis.typing import EncodableT
 
 from shoal.protocol.ids import JobId, ModelName
-from shoal.protocol.messages import Endpoint, ErrorBody
+from shoal.protocol.messages import Continuation, Endpoint, ErrorBody
 from shoal.queue import events, redis_scripts
-from shoal.queue.events import Assigned, Delivered, Failed, Published, Requeued
+from shoal.queue.answer import AnswerSoFar, answer_of_trail
+from shoal.queue.events import Assigned, Delivered, Failed, Published, Requeued, Trail
 from shoal.queue.redis_calls import QueueCalls
 from shoal.queue.redis_keys import (
     CANCEL_SUFFIX,
@@ -84,6 +85,7 @@ _KINDS = {
     events.Done: "x",
     events.Failed: "f",
     events.Assigned: "a",
+    events.Trail: "t",
 }
 
 ENDED_WITHOUT_ANSWER = Failed(
@@ -105,6 +107,12 @@ class Claimed:
     attempt: int  # 1 on the first run, more after a take-over or requeue
     queue: RedisJobQueue = field(repr=False)
     seq: int = 0  # the last event number published (events are numbered for idempotency)
+    resume: Continuation | None = None
+    """What the client has of the answer: go on from there (its worker was lost)."""
+    resumes: int = 0
+    """Times the answer went on elsewhere so far."""
+    answer: AnswerSoFar | None = None
+    """Adopted: what the client has of its answer, from the job's trail."""
 
     async def renew(self) -> Lease:
         return (await self.queue.renew([self]))[self.job.id]
@@ -112,6 +120,16 @@ class Claimed:
     def next_seq(self) -> int:
         self.seq += 1
         return self.seq
+
+
+def encode_resume(resume: Continuation, resumes: int) -> bytes:
+    """A job's continuation as its hash keeps it, with the number of resumes so far."""
+    return orjson.dumps({"resumes": resumes, "resume": resume.model_dump(mode="json")})
+
+
+def decode_resume(raw: str) -> tuple[Continuation, int]:
+    obj = orjson.loads(raw)
+    return Continuation.model_validate(obj["resume"]), int(obj["resumes"])
 
 
 class RedisJobQueue:
@@ -128,7 +146,10 @@ class RedisJobQueue:
         block_ms: int = BLOCK_MS,
         outage_s: float = OUTAGE_S,
         outage: OutageLog | None = None,
+        resume_attempts: int = 0,
     ) -> None:
+        """``resume_attempts``: a job whose holder stopped renewing mid-answer goes on
+        elsewhere this many times (from its trail), else it fails."""
         self.keys = RedisKeys(prefix)
         self.consumer = check_name("consumer name", consumer)
         self.max_len = max_len  # per (model, endpoint), waiting + running; 0: unbounded
@@ -141,7 +162,7 @@ class RedisJobQueue:
         self.calls = QueueCalls(
             redis, self.keys, self.consumer, outage_s=outage_s, outage=self.outage
         )
-        self._recovery = Recovery(self.calls, self.keys, self.consumer, lease_ms)
+        self._recovery = Recovery(self.calls, self.keys, self.consumer, lease_ms, resume_attempts)
         self._counts = redis.register_script(redis_scripts.COUNTS)
         self._waiting = redis.register_script(redis_scripts.WAITING)
 
@@ -313,7 +334,7 @@ class RedisJobQueue:
         return result
 
     def _claimed(self, row: Sequence[Any]) -> Claimed:
-        job_id, _, entry_id, attempt, model, endpoint, stream, body, seq = row
+        job_id, _, entry_id, attempt, model, endpoint, stream, body, seq, resume = row
         job = QueuedJob(
             id=JobId(text(job_id)),
             model=ModelName(text(model)),
@@ -322,6 +343,8 @@ class RedisJobQueue:
             body=orjson.loads(body),
         )
         claimed = Claimed(job, text(entry_id), int(attempt), self, seq=int(text(seq)))
+        if text(resume):
+            claimed.resume, claimed.resumes = decode_resume(text(resume))
         log.info(
             "job %s model=%s claimed by %s (attempt %d)",
             job.id,
@@ -363,7 +386,7 @@ class RedisJobQueue:
             return {}
         args: list[EncodableT] = []
         for claimed, event in items:
-            seq = claimed.seq if isinstance(event, Assigned) else claimed.next_seq()
+            seq = claimed.seq if isinstance(event, Assigned | Trail) else claimed.next_seq()
             args += [claimed.job.id, seq, _KINDS[type(event)]]
             args.append(events.encode(event))
         codes = await self.calls.run("PUBLISH", [], args)
@@ -396,6 +419,23 @@ class RedisJobQueue:
         log.info("job %s requeued by %s: %s (code %d)", claimed.job.id, self.consumer, reason, code)
         return code == 1
 
+    async def go_on(self, claimed: Claimed, reason: str, resume: Continuation) -> bool:
+        """Give back a held job that answered in part, to go on from ``resume`` on the next
+        holder (at the tail of its queue). False if it is no longer this consumer's."""
+        args: list[EncodableT] = [claimed.job.id, claimed.entry_id]
+        args.append(events.encode(Requeued(reason)))
+        args.append(encode_resume(resume, claimed.resumes + 1))
+        code = int(await self.calls.run("GO_ON", [], args))
+        log.info(
+            "job %s put back by %s to go on after %d tokens: %s (code %d)",
+            claimed.job.id,
+            self.consumer,
+            len(resume.tokens),
+            reason,
+            code,
+        )
+        return code == 1
+
     async def adopt(self, job_id: JobId, attempt: int) -> Claimed | None:
         """Take over a running job whose worker now answers through this consumer.
 
@@ -405,7 +445,11 @@ class RedisJobQueue:
         longer running, or is running as another ``attempt`` (it was run again elsewhere).
         """
         row = await self.calls.run("ADOPT", [], [job_id, attempt])
-        return None if row is None else self._claimed(row)
+        if row is None:
+            return None
+        claimed = self._claimed(row[:10])
+        claimed.answer = answer_of_trail(*(text(v) for v in row[10:13]))
+        return claimed
 
     async def cancellations(self, *, block_ms: int | None = None) -> AsyncIterator[JobId]:
         """Ids of jobs this consumer holds that were cancelled, as they come (``BLPOP``)."""

@@ -192,6 +192,8 @@ class Sweep:
     failed: int = 0
     requeued: int = 0
     pruned: int = 0
+    resumed: int = 0
+    """Lost mid-answer, put back to go on from their trail."""
 
 
 # ---------------------------------------------------------------- replies

@@ -337,6 +337,20 @@ class Metrics:
             ["model", "outcome"],
             registry=r,
         )
+        self._resumed = Counter(
+            "shoal_jobs_resumed_total",
+            "Answers resumed on another worker after theirs was lost mid-answer, per model and "
+            "reason (connection, heartbeat, stall, backend).",
+            ["model", "reason"],
+            registry=r,
+        )
+        self._resume_seconds = Histogram(
+            "shoal_resume_seconds",
+            "Time from losing a job's worker mid-answer to the resumed answer's first chunk.",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self._inter_token = LoopHistogram(
             "shoal_inter_token_seconds",
             "Gap between consecutive streamed chunks of a job as the router receives them.",
@@ -366,6 +380,12 @@ class Metrics:
 
     def job_finished(self, model: str, outcome: str) -> None:
         self._jobs.labels(model, outcome).inc()
+
+    def job_resumed(self, model: str, reason: str) -> None:
+        self._resumed.labels(model, reason).inc()
+
+    def resumed_output(self, model: str, seconds_since_loss: float) -> None:
+        self._resume_seconds.labels(model).observe(seconds_since_loss)
 
     # Per chunk ----------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from shoal.protocol.messages import ErrorBody
-from shoal.queue.events import ClientEvent, Data, Done, Failed, Requeued, Result
+from shoal.queue.events import ClientEvent, Data, Done, Failed, Requeued, Result, worker_lost
 from shoal.router.accounting import Accounting, Ticket
 from shoal.router.dispatch.interface import Dispatcher
 from shoal.router.dispatch.job import Job
@@ -167,9 +167,27 @@ class JobResponse(Response):
                 await send({"type": "http.response.body", "body": bytes(buf), "more_body": True})
             if self.accounting is not None and self.ticket is not None and self.ticket.slot:
                 await self.accounting.keepalive(self.ticket)
+            if any(isinstance(event, Requeued) for event in pending) and not (
+                await self._going_on()
+            ):
+                failed = worker_lost("no worker could go on with the answer within --max-wait")
+                await send({"type": "http.response.body", "body": bytes(self._encode([failed])[0])})
+                return
             pending = [await events.get()]
             while not events.empty():
                 pending.append(events.get_nowait())
+
+    async def _going_on(self) -> bool:
+        """The answer's worker was lost mid-answer and it waits to go on elsewhere: until a
+        worker takes it; False past ``--max-wait`` (it was withdrawn)."""
+        try:
+            await self.dispatcher.wait_assigned(self.job)
+        except RouterError as exc:
+            log.warning(
+                "job %s model=%s: nobody went on with it: %s", self.job.id, self.job.model, exc
+            )
+            return False
+        return True
 
     def _encode(self, pending: list[ClientEvent]) -> tuple[bytearray, Done | Failed | None]:
         """SSE bytes for a batch of events, and the event that ends the stream, if any."""

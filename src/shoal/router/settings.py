@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from shoal.models.default import DEFAULT_MODEL
 from shoal.security import is_loopback
@@ -53,6 +53,21 @@ class RouterSettings(CommonSettings):
     )
     max_requeues: int = Field(
         2, ge=0, description="Times a job is handed to another worker when its worker is lost."
+    )
+    resume_attempts: int = Field(
+        2,
+        ge=0,
+        description="Times a streamed answer goes on on another worker when its worker is lost "
+        "mid-answer (the client's stream continues with the next token); 0: it ends with an "
+        "error event.",
+    )
+    stall_timeout: float = Field(
+        8.0,
+        ge=0,
+        description="Seconds without a frame from a worker that is streaming an answer, while "
+        "other workers' frames keep arriving, after which it is taken for frozen and its "
+        "answers go on elsewhere (sooner than the heartbeat timeout); 0: off. Kept above the "
+        "heartbeat interval, so a slow but live worker (its heartbeats arrive) never stalls.",
     )
     database_url: str | None = Field(
         None,
@@ -126,6 +141,16 @@ class RouterSettings(CommonSettings):
     )
 
     _split_api = field_validator("api_key", "gpu_key", "admin_key", mode="before")(split_commas)
+
+    @model_validator(mode="after")
+    def _stall_above_heartbeats(self) -> Self:
+        if 0 < self.stall_timeout <= self.heartbeat_interval:
+            raise ValueError(
+                f"--stall-timeout ({self.stall_timeout:g} s) must be above "
+                f"--heartbeat-interval ({self.heartbeat_interval:g} s), or 0 to turn it off: "
+                "a live worker is silent for up to one heartbeat interval"
+            )
+        return self
 
     @property
     def heartbeat_timeout(self) -> float:

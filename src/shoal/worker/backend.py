@@ -17,6 +17,7 @@ import aiohttp
 import orjson
 
 from shoal.protocol.messages import (
+    Continuation,
     Endpoint,
     ErrorBody,
     JobDone,
@@ -25,6 +26,16 @@ from shoal.protocol.messages import (
     JobStart,
 )
 from shoal.worker.aggregate import aggregate
+from shoal.worker.continuation import (
+    NotResumable,
+    Splice,
+    TokenTrail,
+    client_wants_logprobs,
+    continuation,
+    remaining_tokens,
+    template_request,
+    with_token_ids,
+)
 from shoal.worker.sink import JobSink
 
 log = logging.getLogger(__name__)
@@ -41,6 +52,9 @@ class BackendTarget:
     api_key: str | None = None
     stream_upstream: bool = False
     """Ask the backend for a stream even when the client did not (see ``aggregate``)."""
+    token_ids: bool = False
+    """The backend is llama-server: streams report their token ids and lost answers can be
+    resumed here (``continuation``)."""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -107,6 +121,14 @@ class Backend:
             and (job.endpoint is not Endpoint.EMBEDDINGS)
         )
 
+    def _trails(self, job: JobStart) -> bool:
+        """Whether this job's stream reports its token ids (``TokenTrail``)."""
+        return (
+            self.target.token_ids
+            and job.stream
+            and job.endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS)
+        )
+
     def _request_body(self, job: JobStart) -> bytes:
         body: dict[str, Any] = dict(job.body)
         if self.target.backend_model is not None:
@@ -114,6 +136,8 @@ class Backend:
         if self._collects(job):
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
+        if self._trails(job):
+            body = with_token_ids(body, job.endpoint)
         return orjson.dumps(body)
 
     def _rename(self, data: str) -> str:
@@ -128,14 +152,25 @@ class Backend:
             return orjson.dumps(obj).decode()
         return data
 
+    async def _post(self, url: str, body: bytes) -> aiohttp.ClientResponse:
+        """POST ``body``; once more on a fresh connection when the pooled one it got had been
+        closed by the server (llama-server closes a connection after a streamed response,
+        and aiohttp may hand it out again before it notices): nothing reached the server."""
+        try:
+            return await self.session.post(url, data=body, headers=self.target.headers)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            log.debug("backend %s: stale connection (%r), posting again", url, exc)
+            return await self.session.post(url, data=body, headers=self.target.headers)
+
     async def run(self, job: JobStart, out: JobSink) -> None:
         """Run ``job``; every outcome is reported through ``out``. Cancel to stop it."""
         url = self.base_url() + job.endpoint.path
-        progress = _Progress()
+        progress = _Progress(started=job.resume is not None)
         try:
-            async with self.session.post(
-                url, data=self._request_body(job), headers=self.target.headers
-            ) as resp:
+            if job.resume is not None:
+                await self._go_on(job, job.resume, out)
+                return
+            async with await self._post(url, self._request_body(job)) as resp:
                 if resp.status != 200:
                     raw = await resp.read()
                     out.send(
@@ -168,6 +203,7 @@ class Backend:
                     status=502,
                     started=progress.started,
                     retryable=not progress.started,
+                    resumable=progress.started and self.target.token_ids,
                     error=ErrorBody(
                         message=f"The worker's backend failed: {exc!r}",
                         type="server_error",
@@ -180,6 +216,11 @@ class Backend:
         self, job: JobStart, resp: aiohttp.ClientResponse, out: JobSink, progress: _Progress
     ) -> None:
         job_id = job.job_id
+        if self._trails(job):
+            strip = not client_wants_logprobs(job.body, job.endpoint)
+            trail = TokenTrail(strip=strip, chat=job.endpoint is Endpoint.CHAT)
+            await self._relay(job, resp, out, trail, None, progress)
+            return
         async for batch in sse_data(resp.content):
             for data in batch:
                 if data == "[DONE]":
@@ -196,6 +237,92 @@ class Backend:
                     continue
                 out.chunk(job_id, self._rename(data))
                 progress.started = True
+        raise aiohttp.ClientPayloadError("the backend ended the stream without [DONE]")
+
+    async def _go_on(self, job: JobStart, resume: Continuation, out: JobSink) -> None:
+        """Go on with an answer another worker began (``continuation``)."""
+        if not self.target.token_ids:
+            out.send(_not_resumable(job, "this worker's backend is not its own llama-server"))
+            return
+        chat = job.endpoint is Endpoint.CHAT
+        options = job.body.get("stream_options")
+        splice = Splice(
+            job.endpoint,
+            resume,
+            include_usage=isinstance(options, dict) and bool(options.get("include_usage")),
+        )
+        left = remaining_tokens(job.body, len(resume.tokens))
+        if left is not None and left <= 0:  # lost between its last token and its end
+            for chunk in splice.chunks(_length_end(chat)):
+                out.chunk(job.job_id, orjson.dumps(chunk).decode(), ())
+            out.send(JobDone(job_id=job.job_id))
+            return
+        try:
+            prompt = await self._chat_prompt(job.body) if chat else None
+            body = continuation(job.body, job.endpoint, resume, prompt)
+        except NotResumable as exc:
+            out.send(_not_resumable(job, str(exc)))
+            return
+        log.info(
+            "job %s model=%s: going on after %d tokens", job.job_id, job.model, len(resume.tokens)
+        )
+        url = self.base_url() + Endpoint.COMPLETIONS.path
+        async with await self._post(url, orjson.dumps(body)) as resp:
+            if resp.status != 200:
+                raw = await resp.read()
+                error = error_from_body(resp.status, raw)
+                out.send(_not_resumable(job, error.message))
+                return
+            strip = not client_wants_logprobs(job.body, job.endpoint)
+            trail = TokenTrail(strip=strip, chat=False)
+            await self._relay(job, resp, out, trail, splice, _Progress(started=True))
+
+    async def _chat_prompt(self, body: dict[str, Any]) -> str:
+        url = self.base_url() + "/apply-template"
+        async with await self._post(url, orjson.dumps(template_request(body))) as resp:
+            raw = await resp.read()
+            if resp.status != 200:
+                raise NotResumable(error_from_body(resp.status, raw).message)
+        prompt = orjson.loads(raw).get("prompt")
+        if not isinstance(prompt, str):
+            raise NotResumable("/apply-template gave no prompt")
+        return prompt
+
+    async def _relay(
+        self,
+        job: JobStart,
+        resp: aiohttp.ClientResponse,
+        out: JobSink,
+        trail: TokenTrail,
+        splice: Splice | None,
+        progress: _Progress,
+    ) -> None:
+        """Stream llama-server's chunks on with the token ids they complete (through
+        ``splice`` when going on with another worker's answer)."""
+        job_id = job.job_id
+        carry: list[int] = []
+        async for batch in sse_data(resp.content):
+            for data in batch:
+                if data == "[DONE]":
+                    out.send(JobDone(job_id=job_id))
+                    await _finish_body(resp)
+                    return
+                if data.startswith('{"error"'):
+                    err = error_from_body(500, data.encode())
+                    out.send(JobFailed(job_id=job_id, status=500, error=err, started=True))
+                    return
+                if data == "null":
+                    continue
+                chunk = orjson.loads(data)
+                released = trail.follow(chunk)
+                if released is not None:
+                    carry += released
+                for part in [chunk] if splice is None else list(splice.chunks(chunk)):
+                    ids = None if released is None else tuple(carry)
+                    if ids is not None:
+                        carry.clear()
+                    out.chunk(job_id, self._rename(orjson.dumps(part).decode()), ids)
+                    progress.started = True
         raise aiohttp.ClientPayloadError("the backend ended the stream without [DONE]")
 
     async def _collect(self, job: JobStart, resp: aiohttp.ClientResponse, out: JobSink) -> None:
@@ -220,6 +347,28 @@ class Backend:
                     return
                 chunks.append(chunk)
         raise aiohttp.ClientPayloadError("the backend ended the stream without [DONE]")
+
+
+def _length_end(chat: bool) -> dict[str, Any]:
+    """The last chunk of an answer that reached its token limit (as llama-server ends it)."""
+    if chat:
+        return {"choices": [{"finish_reason": "length", "index": 0, "delta": {}}]}
+    return {"choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": "length"}]}
+
+
+def _not_resumable(job: JobStart, why: str) -> JobFailed:
+    log.warning("job %s model=%s: cannot go on with its answer: %s", job.job_id, job.model, why)
+    return JobFailed(
+        job_id=job.job_id,
+        status=502,
+        started=True,
+        error=ErrorBody(
+            message=f"The worker serving this request was lost and its answer could not be "
+            f"resumed ({why}); the answer is incomplete. Retry the request.",
+            type="server_error",
+            code="worker_lost",
+        ),
+    )
 
 
 async def _finish_body(resp: aiohttp.ClientResponse) -> None:

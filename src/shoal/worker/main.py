@@ -430,6 +430,7 @@ async def _pull(
         register,
         memory=memory,
         lease_ms=int(settings.queue_lease * 1000),
+        resume_attempts=settings.resume_attempts,
     )
     serving.links.append(puller)
     log.info(
@@ -457,7 +458,7 @@ async def _target(
 ) -> BackendTarget:
     api_key = settings.backend_api_key.get_secret_value() if settings.backend_api_key else None
     if isinstance(supervisor, LlamaServer):
-        return BackendTarget(the_plan.model.name, stream_upstream=True)
+        return BackendTarget(the_plan.model.name, stream_upstream=True, token_ids=True)
     backend_model = settings.backend_model
     if backend_model is None:
         await supervisor.ready.wait()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from shoal.protocol.ids import JobId
 from shoal.protocol.messages import (
+    ChunkItem,
     JobDone,
     JobFailed,
     JobResult,
@@ -31,7 +32,7 @@ from shoal.protocol.messages import (
 MAX_CHUNKS_PER_FRAME = 512
 
 Final = JobDone | JobResult | JobFailed
-Pending = Message | tuple[JobId, str]
+Pending = Message | ChunkItem
 Frame = str | bytes
 
 
@@ -40,7 +41,7 @@ class Journal:
     """One job's output so far, kept until its final message reached the socket."""
 
     attempt: int
-    chunks: list[str] = field(default_factory=list)
+    chunks: list[ChunkItem] = field(default_factory=list)
     final: Final | None = None
     held: bool = False  # the router that started it is gone: output waits for ``resume``
 
@@ -63,13 +64,14 @@ class Outbox:
         self._pending.append(message)
         self._wake.set()
 
-    def chunk(self, job_id: JobId, data: str) -> None:
+    def chunk(self, job_id: JobId, data: str, tokens: tuple[int, ...] | None = None) -> None:
+        item = (job_id, data, tokens)
         journal = self._journals.get(job_id)
         if journal is not None:
-            journal.chunks.append(data)
+            journal.chunks.append(item)
             if journal.held:
                 return
-        self._pending.append((job_id, data))
+        self._pending.append(item)
         self._wake.set()
 
     # ------------------------------------------------------------ journals
@@ -105,7 +107,7 @@ class Outbox:
         if journal is None or not journal.held:
             return False
         journal.held = False
-        self._pending += [(job_id, data) for data in journal.chunks[from_chunk:]]
+        self._pending += journal.chunks[from_chunk:]
         if journal.final is not None:
             self._pending.append(journal.final)
         self._wake.set()
@@ -133,7 +135,7 @@ class Outbox:
 
 def frames(pending: list[Pending]) -> list[Frame]:
     out: list[Frame] = []
-    batch: list[tuple[JobId, str]] = []
+    batch: list[ChunkItem] = []
     for item in pending:
         if isinstance(item, tuple):
             batch.append(item)

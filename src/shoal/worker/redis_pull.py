@@ -33,7 +33,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
@@ -41,6 +41,7 @@ import redis.asyncio as aioredis
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import (
     BackendState,
+    Continuation,
     Endpoint,
     JobDone,
     JobFailed,
@@ -50,6 +51,7 @@ from shoal.protocol.messages import (
     Register,
 )
 from shoal.queue import events
+from shoal.queue.answer import AnswerSoFar, trail_of
 from shoal.queue.redis_consumer import ConsumerLoops, GiveBack, Outgoing
 from shoal.queue.redis_streams import LEASE_MS, Claimed, RedisJobQueue
 from shoal.queue.redis_support import REDIS_DOWN, RETRY_MAX_DELAY_S, raise_if_cancelled
@@ -66,6 +68,7 @@ SOCKET_TIMEOUT_S = 10.0
 """The Redis client's socket timeout: longer than the queue's blocking reads (2 s)."""
 CONNECT_TIMEOUT_S = 2.0
 MAX_REQUEUES = 2
+RESUME_ATTEMPTS = 2
 """Times a job that failed retryably here goes back to its queue (the routers' default)."""
 STOP_TIMEOUT_S = 2.0
 """How long a stopping worker tries to hand back its jobs (else the sweep recovers them)."""
@@ -140,7 +143,8 @@ class Held:
     """A claimed job running in this worker's runner."""
 
     claimed: Claimed
-    started: bool = False  # output was published: it can no longer run again
+    answer: AnswerSoFar = field(default_factory=AnswerSoFar)
+    """What the client has (once it has anything, the job can no longer run again)."""
 
 
 class RedisPuller:
@@ -155,6 +159,7 @@ class RedisPuller:
         memory: MemoryProbe,
         lease_ms: int = LEASE_MS,
         max_requeues: int = MAX_REQUEUES,
+        resume_attempts: int = RESUME_ATTEMPTS,
         backoff: Backoff | None = None,
     ) -> None:
         """``register`` describes the worker (id, models, slots...) as it would to a router."""
@@ -162,13 +167,20 @@ class RedisPuller:
         self.worker_id = first.worker_id
         self.slots = first.slots
         self.register = register
-        self.queue = RedisJobQueue(redis, prefix, consumer_name(first.worker_id), lease_ms=lease_ms)
+        self.queue = RedisJobQueue(
+            redis,
+            prefix,
+            consumer_name(first.worker_id),
+            lease_ms=lease_ms,
+            resume_attempts=resume_attempts,
+        )
         self.runner = JobRunner(self)
         self.presence = Presence(
             redis, prefix, first.worker_id, self.describe, outage=self.queue.outage
         )
         self.memory = memory
         self.max_requeues = max_requeues
+        self.resume_attempts = resume_attempts
         self.backoff = backoff or Backoff(cap=RETRY_MAX_DELAY_S * 5)
         self._life = Lifecycle(f"pull worker {self.worker_id}", ALLOWED, PullState.STARTING, log)
         self.models: tuple[ModelInfo, ...] = first.models
@@ -271,13 +283,17 @@ class RedisPuller:
         group open (tasks start in the order they were created); it closes as the worker stops.
         """
         qjob = claimed.job
-        self._held[qjob.id] = Held(claimed)
+        # A job that goes on with an answer a lost worker began has output already.
+        resume = claimed.resume
+        answer = AnswerSoFar() if resume is None else AnswerSoFar.going_on(resume)
+        self._held[qjob.id] = Held(claimed, answer)
         start = JobStart(
             job_id=qjob.id,
             model=qjob.model,
             endpoint=qjob.endpoint,
             stream=qjob.stream,
             body=dict(qjob.body),
+            resume=claimed.resume,
         )
         try:
             self.runner.start(start)
@@ -305,12 +321,14 @@ class RedisPuller:
 
     # ------------------------------------------------------------ the runner's sink
 
-    def chunk(self, job_id: JobId, data: str) -> None:
+    def chunk(self, job_id: JobId, data: str, tokens: tuple[int, ...] | None = None) -> None:
         held = self._held.get(job_id)
         if held is None:
             return  # stopped (cancelled, taken over) while the chunk was on its way
-        held.started = True
+        held.answer.take(data, tokens)
         self._send((held.claimed, events.Data(data)))
+        if tokens is not None or held.answer.tokens:  # else nothing is known of its tokens
+            self._send((held.claimed, trail_of(tokens, held.answer)))
 
     def send(self, message: JobOutcome, /) -> None:
         held = self._release(message.job_id)
@@ -323,11 +341,29 @@ class RedisPuller:
                 self._send((held.claimed, events.Result(body)))
             case JobFailed(retryable=True, error=error) if self._may_run_again(held):
                 self._send(GiveBack(held.claimed, f"worker {self.worker_id}: {error.message}"))
+            case JobFailed(error=error) if resume := self._continuation(held, message):
+                why = f"worker {self.worker_id}: {error.message}"
+                log.warning(
+                    "job %s model=%s: %s; going on elsewhere after %d tokens",
+                    message.job_id,
+                    held.claimed.job.model,
+                    why,
+                    len(resume.tokens),
+                )
+                self._send(GiveBack(held.claimed, why, resume))
             case JobFailed(status=status, error=error):
                 self._send((held.claimed, events.Failed(status, error)))
 
     def _may_run_again(self, held: Held) -> bool:
-        return not held.started and held.claimed.attempt <= self.max_requeues
+        return not held.answer.started and held.claimed.attempt <= self.max_requeues
+
+    def _continuation(self, held: Held, failed: JobFailed) -> Continuation | None:
+        """Its backend died mid-answer: what another worker needs to go on, if it may."""
+        if not (failed.resumable or failed.retryable):
+            return None
+        job = held.claimed.job
+        resumes = held.claimed.resumes
+        return held.answer.continuation(job.endpoint, job.stream, resumes, self.resume_attempts)
 
     def _send(self, item: Outgoing) -> None:
         self.loops.send(item)

@@ -70,6 +70,12 @@ class WorkerSettings(LlamaCppOptions):
         "it is taken over; use the routers' lease (their --queue-lease, by default twice their "
         "heartbeat timeout: 30 s).",
     )
+    resume_attempts: int = Field(
+        2,
+        ge=0,
+        description="With --redis-url: times a streamed answer goes on on another worker when "
+        "this worker's llama-server dies mid-answer (the routers' --resume-attempts).",
+    )
     name: str = Field(default_factory=socket.gethostname, description="Name shown for this worker.")
     model: str | None = Field(
         None,

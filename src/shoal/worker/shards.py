@@ -339,7 +339,7 @@ class ShardHost:
                     DevicePlacement(device=d.device, model_bytes=d.model_bytes, kv_bytes=d.kv_bytes)
                     for d in devices
                 )
-                target = BackendTarget(spec.model, stream_upstream=True)
+                target = BackendTarget(spec.model, stream_upstream=True, token_ids=True)
                 self._runner.route(
                     spec.model, Backend(target, self._session, lambda: server.url), server.use
                 )

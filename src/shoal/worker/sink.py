@@ -14,6 +14,8 @@ JobOutcome = JobDone | JobResult | JobFailed
 class JobSink(Protocol):
     """Takes a job's output without blocking: streamed chunks, then one outcome."""
 
-    def chunk(self, job_id: JobId, data: str) -> None: ...
+    def chunk(self, job_id: JobId, data: str, tokens: tuple[int, ...] | None = None) -> None:
+        """``tokens``: the ids whose text this chunk completes (``Chunk.tokens``)."""
+        ...
 
     def send(self, message: JobOutcome, /) -> None: ...

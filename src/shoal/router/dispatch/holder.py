@@ -33,13 +33,15 @@ from collections import deque
 from collections.abc import Sequence
 
 from shoal.protocol.ids import JobId, ModelName
-from shoal.protocol.messages import Endpoint, JobCancel, JobResume, RunningJob
+from shoal.protocol.messages import Continuation, Endpoint, JobCancel, JobResume, RunningJob
+from shoal.queue.answer import AnswerSoFar, trail_of
 from shoal.queue.events import Assigned, OutputEvent
 from shoal.queue.redis_consumer import ConsumerLoops, GiveBack
 from shoal.queue.redis_streams import Claimed, RedisJobQueue
 from shoal.queue.redis_support import REDIS_DOWN, raise_if_cancelled
 from shoal.router.dispatch.job import Job
 from shoal.router.dispatch.running import Running
+from shoal.router.metrics import Metrics
 from shoal.router.workers import Registry, WorkerConnection
 
 log = logging.getLogger(__name__)
@@ -48,10 +50,20 @@ log = logging.getLogger(__name__)
 class Holder:
     """Claims jobs for this router's workers and relays their output to Redis."""
 
-    def __init__(self, queue: RedisJobQueue, registry: Registry, max_requeues: int) -> None:
+    def __init__(
+        self,
+        queue: RedisJobQueue,
+        registry: Registry,
+        metrics: Metrics,
+        max_requeues: int,
+        resume_attempts: int,
+    ) -> None:
         self.queue = queue
         self.registry = registry
-        self.running: Running[Claimed] = Running(registry, self, max_requeues, self.kick)
+        self.metrics = metrics
+        self.running: Running[Claimed] = Running(
+            registry, self, max_requeues, self.kick, resume_attempts
+        )
         self._unplaced: deque[Claimed] = deque()  # claimed, no free worker for it yet
         self._capacity = asyncio.Event()
         self.loops = ConsumerLoops(queue, self)
@@ -107,7 +119,8 @@ class Holder:
         """Start the job on a worker here, and say which (before any of its output)."""
         qjob = claimed.job
         job = Job(id=qjob.id, model=qjob.model, endpoint=qjob.endpoint, stream=qjob.stream, body={})
-        if not self.running.place(claimed, job, dict(qjob.body), claimed.attempt):
+        job.resumes = claimed.resumes
+        if not self.running.place(claimed, job, dict(qjob.body), claimed.attempt, claimed.resume):
             return False
         self.loops.send((claimed, Assigned(self.queue.consumer, claimed.attempt, job.worker_id)))
         return True
@@ -158,7 +171,10 @@ class Holder:
             return
         qjob = claimed.job
         job = Job(id=qjob.id, model=qjob.model, endpoint=qjob.endpoint, stream=qjob.stream, body={})
-        self.running.adopt(claimed, job, worker, claimed.attempt, started=claimed.seq > 0)
+        job.resumes = claimed.resumes
+        self.running.adopt(
+            claimed, job, worker, claimed.attempt, started=claimed.seq > 0, answer=claimed.answer
+        )
         worker.send(JobResume(job_id=job.id, from_chunk=claimed.seq))
         log.info(
             "job %s model=%s adopted: worker %s resumes it from chunk %d",
@@ -175,6 +191,18 @@ class Holder:
 
     def run_again(self, ticket: Claimed, why: str) -> None:
         self.loops.send(GiveBack(ticket, why))
+
+    def trail(self, ticket: Claimed, tokens: tuple[int, ...] | None, answer: AnswerSoFar) -> None:
+        if tokens is None and not answer.tokens:
+            return  # nothing known of its tokens (an attached backend, an image): no trail
+        self.loops.send((ticket, trail_of(tokens, answer)))
+
+    def go_on(self, ticket: Claimed, resume: Continuation, why: str, reason: str) -> bool:
+        """Back to Redis with what the client has: any router's worker goes on with it (the
+        client's router bounds the wait by ``--max-wait``)."""
+        self.metrics.job_resumed(ticket.job.model, reason)
+        self.loops.send(GiveBack(ticket, why, resume))
+        return True
 
     # ------------------------------------------------------------ Redis side
 

@@ -1,9 +1,10 @@
 """A request's life inside the router: an explicit state machine plus its event inbox.
 
     QUEUED ──assign──▶ ASSIGNED ──first chunk──▶ STREAMING ──▶ SUCCEEDED
-       ▲                  │                         │
-       └──requeue─────────┘ (worker lost, no output)├──▶ FAILED
-    any live state ──────────────────────────────────┴──▶ CANCELLED
+       ▲ ▲                │                         │ │
+       │ └──requeue───────┘ (worker lost, no output)│ ├──▶ FAILED
+       └──resume────────────(worker lost mid-answer)┘ │
+    any live state ────────────────────────────────────┴──▶ CANCELLED
 
 The HTTP handler reads ``Job.events``: the outcome events of ``shoal.queue.events`` (the one
 vocabulary for a job's outcome, in this router and on the Redis queue), which ``output.py``
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.protocol.ids import JobId, ModelName, WorkerId, new_job_id
-from shoal.protocol.messages import Endpoint
+from shoal.protocol.messages import Continuation, Endpoint
 from shoal.queue.events import ClientEvent
 from shoal.router.dispatch.fair_queue import ANONYMOUS, Tenant, estimated_work
 
@@ -53,7 +54,9 @@ _ALLOWED: dict[JobState, frozenset[JobState]] = {
             JobState.CANCELLED,
         }
     ),
-    JobState.STREAMING: frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}),
+    JobState.STREAMING: frozenset(
+        {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED}
+    ),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),
     JobState.CANCELLED: frozenset(),
@@ -88,6 +91,14 @@ class Job:
     state: JobState = JobState.QUEUED
     worker_id: WorkerId | None = None
     requeues: int = 0
+    resumes: int = 0
+    """Times its answer went on on another worker (``--resume-attempts``)."""
+    resume: Continuation | None = None
+    """What the client has of its answer, while it waits to go on (None: a fresh run)."""
+    lost_at: float | None = None
+    """When its worker was lost mid-answer (until the resumed answer's first chunk)."""
+    avoid: WorkerId | None = None
+    """The worker that last failed it mid-answer: another goes on with it, if one can."""
     created: float = field(default_factory=time.monotonic)
     queued_at: float = field(default_factory=time.monotonic)
     last_chunk_at: float = 0.0

@@ -14,7 +14,8 @@ from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 
 from shoal.protocol.ids import ModelName
-from shoal.protocol.messages import Endpoint
+from shoal.protocol.messages import Continuation, Endpoint
+from shoal.queue.answer import AnswerSoFar
 from shoal.queue.events import OutputEvent
 from shoal.router.dispatch import answers
 from shoal.router.dispatch.answers import UnavailableReason
@@ -54,7 +55,9 @@ class MemoryDispatcher:
         # One queue per (model, endpoint): a queued embeddings job never holds up chat jobs.
         self._queues: dict[tuple[ModelName, Endpoint], FairQueue[Job]] = {}
         self._moved = asyncio.Event()  # set (and replaced) whenever a queue changes
-        self._running: Running[Job] = Running(registry, self, settings.max_requeues, self.pump)
+        self._running: Running[Job] = Running(
+            registry, self, settings.max_requeues, self.pump, settings.resume_attempts
+        )
         self.queue_backend = "memory"
         self.workers = WorkerSide(registry, self._running, self.pump)
 
@@ -190,7 +193,8 @@ class MemoryDispatcher:
     # ------------------------------------------------------------ assignment
 
     def _try_assign(self, job: Job) -> bool:
-        if not self._running.place(job, job, job.body, attempt=job.requeues + 1):
+        attempt = job.requeues + job.resumes + 1
+        if not self._running.place(job, job, job.body, attempt, job.resume):
             return False
         self._output.metrics.queue_wait(job.model, job.tenant.id, time.monotonic() - job.queued_at)
         return True
@@ -222,6 +226,22 @@ class MemoryDispatcher:
         log.warning(
             "job %s model=%s re-queued (%d): %s", ticket.id, ticket.model, ticket.requeues, why
         )
+
+    def trail(self, ticket: Job, tokens: tuple[int, ...] | None, answer: AnswerSoFar) -> None:
+        return  # ``Running`` keeps it: the job ends with this router anyway
+
+    def go_on(self, ticket: Job, resume: Continuation, why: str, reason: str) -> bool:
+        """Back to the head of its queue, to go on from ``resume`` on the next worker; not
+        when no worker here serves its model any more (its stream ends as it would have)."""
+        if not any((ticket.model, ticket.endpoint) in w.served for w in self.registry):
+            return False
+        ticket.resume = resume
+        ticket.resumes += 1
+        self._output.metrics.job_resumed(ticket.model, reason)
+        self._output.going_on(ticket, why)
+        self._queue(ticket).push_front(ticket, ticket.tenant, ticket.work, time.monotonic())
+        self._queue_moved()
+        return True
 
     # ------------------------------------------------------------ lifetime
 

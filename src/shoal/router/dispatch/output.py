@@ -35,6 +35,16 @@ class JobOutput:
             job.transition(JobState.QUEUED, why)
             job.deliver(Requeued(why))
 
+    def going_on(self, job: Job, why: str) -> None:
+        """The job's worker was lost mid-answer (or the run that was to go on failed before
+        its first token): it waits to go on on another."""
+        if job.state in (JobState.STREAMING, JobState.ASSIGNED):
+            if job.state is JobState.STREAMING or job.lost_at is None:
+                job.lost_at = time.monotonic()
+            job.worker_id = None
+            job.transition(JobState.QUEUED, f"to go on: {why}")
+            job.deliver(Requeued(why))
+
     def deliver(self, job: Job, event: OutputEvent, now: float) -> None:
         """Output from the job's worker; ``now`` is when it arrived (monotonic)."""
         if job.state.finished:
@@ -53,6 +63,10 @@ class JobOutput:
         if job.endpoint.is_image:  # progress events, not tokens: kept out of the token timings
             if job.state is JobState.ASSIGNED:
                 job.transition(JobState.STREAMING)
+        elif job.state is JobState.ASSIGNED and job.lost_at is not None:
+            job.transition(JobState.STREAMING, "going on")
+            self.metrics.resumed_output(job.model, now - job.lost_at)
+            job.lost_at = None
         elif job.state is JobState.ASSIGNED:
             job.transition(JobState.STREAMING)
             self.metrics.first_token(job.model, now - job.created)

@@ -113,9 +113,12 @@ class RedisDispatcher:
             max_len=settings.max_queue,
             lease_ms=lease_ms(settings),
             outage=self.outage,
+            resume_attempts=settings.resume_attempts,
         )
         self.tail = OutputTail(redis, settings.redis_prefix, self.name, outage=self.outage)
-        self.holder = Holder(self.rqueue, registry, settings.max_requeues)
+        self.holder = Holder(
+            self.rqueue, registry, metrics, settings.max_requeues, settings.resume_attempts
+        )
         self.directory = WorkerDirectory(
             redis,
             settings.redis_prefix,
@@ -264,6 +267,8 @@ class RedisDispatcher:
                 if job.state is JobState.QUEUED or (worker and not job.state.finished):
                     job.worker_id = WorkerId(worker) if worker else None
                 self._output.assigned(job, f"{consumer} (attempt {attempt})")
+            case events.Requeued(reason=reason) if job.state is JobState.STREAMING:
+                self._output.going_on(job, reason)  # its worker was lost mid-answer
             case events.Requeued(reason=reason):
                 self._output.requeued(job, reason)
             case _:

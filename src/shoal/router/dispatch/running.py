@@ -8,8 +8,12 @@ into Redis. The rules live here once:
 * a job goes to the worker ``pick_worker`` chooses (``scheduler.py``), and holds one of its
   slots until it ends;
 * a job that produced no output yet runs again elsewhere when its worker fails it as
-  retryable or is lost, at most ``--max-requeues`` times; past that, or once it answered in
-  part, it fails (a lost worker: 502 ``worker_lost``);
+  retryable or is lost, at most ``--max-requeues`` times; past that it fails (a lost
+  worker: 502 ``worker_lost``);
+* a streamed chat or text completion that answered in part goes on elsewhere when its worker
+  is lost or its backend died, at most ``--resume-attempts`` times: the next worker is given
+  the ids of every token the client has (``Continuation``, learned from ``Chunk.tokens``) and
+  continues the same stream; a job whose tokens are not exactly known fails as above;
 * frames from a worker that no longer holds the job (cancelled, taken over) are dropped.
 
 ``T`` is the dispatcher's handle on a job (the ``Job`` itself in-process, the Redis claim).
@@ -20,11 +24,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from shoal.protocol.ids import JobId
-from shoal.protocol.messages import JobCancel, JobDone, JobFailed, JobResult, JobStart
+from shoal.protocol.messages import (
+    Continuation,
+    JobCancel,
+    JobDone,
+    JobFailed,
+    JobResult,
+    JobStart,
+)
+from shoal.queue.answer import AnswerSoFar
 from shoal.queue.events import Data, OutputEvent, from_worker, worker_lost
 from shoal.router.dispatch.job import Job, JobState
 from shoal.router.dispatch.scheduler import pick_worker
@@ -47,6 +59,17 @@ class Sink(Protocol[T_contra]):
         """The job produced nothing and may run again: put it back to wait."""
         ...
 
+    def trail(self, ticket: T_contra, tokens: tuple[int, ...] | None, answer: AnswerSoFar) -> None:
+        """A chunk was sent on: keep what the client has where another router can see it
+        (with Redis; in-process, ``Running`` keeps it)."""
+        ...
+
+    def go_on(self, ticket: T_contra, resume: Continuation, why: str, reason: str) -> bool:
+        """The job answered in part and its worker is gone: put it back to wait, to go on
+        from ``resume`` (``reason``: the metric's label). False when it cannot (nobody
+        serves its model any more): it fails."""
+        ...
+
 
 @dataclass(eq=False, slots=True)
 class Placed(Generic[T]):
@@ -57,8 +80,8 @@ class Placed(Generic[T]):
     """The job in ``worker.running``: slot counting and ``/api/v1/workers``."""
     worker: WorkerConnection
     attempt: int
-    started: bool = False
-    """Output was sent on: the job can no longer run again."""
+    answer: AnswerSoFar = field(default_factory=AnswerSoFar)
+    """What the client has (once it has anything, the job can no longer run again)."""
 
 
 class Running(Generic[T]):
@@ -68,11 +91,13 @@ class Running(Generic[T]):
         sink: Sink[T],
         max_requeues: int,
         capacity: Callable[[], None],
+        resume_attempts: int = 0,
     ) -> None:
         """``capacity`` is called whenever a slot may have freed."""
         self.registry = registry
         self._sink = sink
         self._max_requeues = max_requeues
+        self._resume_attempts = resume_attempts
         self._capacity = capacity
         self._placed: dict[JobId, Placed[T]] = {}
 
@@ -81,17 +106,25 @@ class Running(Generic[T]):
 
     # ------------------------------------------------------------ placing
 
-    def place(self, ticket: T, job: Job, body: dict[str, object], attempt: int) -> bool:
-        """Start ``job`` on the worker the scheduler picks; False if none has a free slot."""
-        worker_id = pick_worker((w.load() for w in self.registry), job.model, job.endpoint)
-        worker = self.registry.get(worker_id) if worker_id else None
+    def place(
+        self,
+        ticket: T,
+        job: Job,
+        body: dict[str, object],
+        attempt: int,
+        resume: Continuation | None = None,
+    ) -> bool:
+        """Start ``job`` on the worker the scheduler picks; False if none has a free slot.
+        ``resume``: go on with the answer a lost worker began."""
+        worker = self._pick(job)
         if worker is None:
             return False
         job.worker_id = worker.id
         job.transition(JobState.ASSIGNED, f"worker {worker.id}")
         worker.running[job.id] = job
         worker.last_assigned = time.monotonic()
-        self._placed[job.id] = Placed(ticket, job, worker, attempt)
+        answer = AnswerSoFar() if resume is None else AnswerSoFar.going_on(resume)
+        self._placed[job.id] = Placed(ticket, job, worker, attempt, answer)
         worker.send(
             JobStart(
                 job_id=job.id,
@@ -100,28 +133,49 @@ class Running(Generic[T]):
                 stream=job.stream,
                 body=body,
                 attempt=attempt,
+                resume=resume,
             )
         )
         log.info(
-            "job %s model=%s (attempt %d) -> worker %s (%d/%d slots)",
+            "job %s model=%s (attempt %d%s) -> worker %s (%d/%d slots)",
             job.id,
             job.model,
             attempt,
+            "" if resume is None else f", going on after {len(resume.tokens)} tokens",
             worker.id,
             len(worker.running),
             worker.slots,
         )
         return True
 
+    def _pick(self, job: Job) -> WorkerConnection | None:
+        """The scheduler's worker for ``job``; not the one that just failed it mid-answer
+        while another can take it (its llama-server may not have said yet that it died)."""
+        others = (w.load() for w in self.registry if w.id != job.avoid)
+        worker_id = pick_worker(others, job.model, job.endpoint)
+        if worker_id is None and job.avoid is not None:
+            worker_id = pick_worker((w.load() for w in self.registry), job.model, job.endpoint)
+        return self.registry.get(worker_id) if worker_id else None
+
     def adopt(
-        self, ticket: T, job: Job, worker: WorkerConnection, attempt: int, *, started: bool
+        self,
+        ticket: T,
+        job: Job,
+        worker: WorkerConnection,
+        attempt: int,
+        *,
+        started: bool,
+        answer: AnswerSoFar | None = None,
     ) -> None:
         """Count ``job``, already running on ``worker`` (a worker that reconnected), as here;
-        ``started``: it has output already (it cannot run again)."""
+        ``started``: it has output already (it cannot run again); ``answer``: what the
+        client has of it, when known (its trail in Redis)."""
         job.worker_id = worker.id
         job.transition(JobState.ASSIGNED, f"adopted on worker {worker.id}")
         worker.running[job.id] = job
-        self._placed[job.id] = Placed(ticket, job, worker, attempt, started)
+        if answer is None or not started:
+            answer = AnswerSoFar.unknown() if started else AnswerSoFar()
+        self._placed[job.id] = Placed(ticket, job, worker, attempt, answer)
 
     def _held_by(self, worker: WorkerConnection, job_id: JobId) -> Placed[T] | None:
         placed = self._placed.get(job_id)
@@ -146,11 +200,20 @@ class Running(Generic[T]):
 
     # ------------------------------------------------------------ what workers report
 
-    def on_chunk(self, worker: WorkerConnection, job_id: JobId, data: str, now: float) -> None:
+    def on_chunk(
+        self,
+        worker: WorkerConnection,
+        job_id: JobId,
+        data: str,
+        tokens: tuple[int, ...] | None,
+        now: float,
+    ) -> None:
         placed = self._held_by(worker, job_id)
-        if placed is not None:
-            placed.started = True
-            self._sink.output(placed.ticket, Data(data), now)
+        if placed is None:
+            return
+        placed.answer.take(data, tokens)
+        self._sink.output(placed.ticket, Data(data), now)
+        self._sink.trail(placed.ticket, tokens, placed.answer)
 
     def on_end(self, worker: WorkerConnection, msg: JobDone | JobResult, now: float) -> None:
         placed = self._held_by(worker, msg.job_id)
@@ -164,8 +227,11 @@ class Running(Generic[T]):
         if placed is None:
             return
         self._release(msg.job_id)
+        why = f"worker {worker.id}: {msg.error.message}"
         if msg.retryable and self._may_run_again(placed):
-            self._sink.run_again(placed.ticket, f"worker {worker.id}: {msg.error.message}")
+            self._sink.run_again(placed.ticket, why)
+        elif (msg.retryable or msg.resumable) and self._go_on(placed, why, "backend"):
+            pass  # (retryable: a run that was to go on never reached the model: again)
         else:
             log.warning(
                 "job %s model=%s failed on worker %s: %s %s",
@@ -178,12 +244,17 @@ class Running(Generic[T]):
             self._sink.output(placed.ticket, from_worker(msg), now)
         self._capacity()
 
-    def on_lost(self, worker: WorkerConnection, why: str, now: float) -> None:
-        """Put back what the lost worker had not answered; fail the rest with a 502."""
+    def on_lost(
+        self, worker: WorkerConnection, why: str, now: float, reason: str = "connection"
+    ) -> None:
+        """Put back what the lost worker had not answered, go on elsewhere with what it had
+        answered in part; fail the rest with a 502. ``reason``: the resume metric's label."""
         for placed in [p for p in self._placed.values() if p.worker is worker]:
             self._release(placed.job.id)
             if self._may_run_again(placed):
                 self._sink.run_again(placed.ticket, f"worker {worker.id} lost: {why}")
+                continue
+            if self._go_on(placed, f"worker {worker.id} lost: {why}", reason):
                 continue
             log.warning(
                 "job %s model=%s failed: worker %s lost mid-answer (%s)",
@@ -196,4 +267,26 @@ class Running(Generic[T]):
         self._capacity()
 
     def _may_run_again(self, placed: Placed[T]) -> bool:
-        return not placed.started and placed.attempt <= self._max_requeues
+        return not placed.answer.started and placed.attempt <= self._max_requeues
+
+    def _go_on(self, placed: Placed[T], why: str, reason: str) -> bool:
+        """Hand an answer begun here to the sink to go on elsewhere, when it may."""
+        job = placed.job
+        resume = placed.answer.continuation(
+            job.endpoint, job.stream, job.resumes, self._resume_attempts
+        )
+        if resume is None:
+            return False
+        placed.job.avoid = placed.worker.id
+        if not self._sink.go_on(placed.ticket, resume, why, reason):
+            return False
+        log.warning(
+            "job %s model=%s: %s; going on elsewhere after %d tokens (resume %d of %d)",
+            placed.job.id,
+            placed.job.model,
+            why,
+            len(resume.tokens),
+            placed.job.resumes,
+            self._resume_attempts,
+        )
+        return True

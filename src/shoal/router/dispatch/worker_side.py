@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from shoal.protocol.ids import JobId
 from shoal.protocol.messages import (
     BackendState,
+    ChunkItem,
     Chunks,
     Heartbeat,
     JobCancel,
@@ -74,24 +74,25 @@ class WorkerSide:
             self._reattach(worker, held)
         self._capacity()
 
-    def on_lost(self, worker: WorkerConnection, why: str) -> None:
-        """A worker's connection ended: its jobs run again elsewhere or fail (``Running``)."""
+    def on_lost(self, worker: WorkerConnection, why: str, reason: str = "connection") -> None:
+        """A worker's connection ended: its jobs run again elsewhere, go on elsewhere or
+        fail (``Running``); ``reason``: how it was lost (connection, heartbeat, stall)."""
         self.registry.remove(worker)
-        self.running.on_lost(worker, why, time.monotonic())
+        self.running.on_lost(worker, why, time.monotonic(), reason)
         self._changed()
 
-    def on_chunks(self, worker: WorkerConnection, items: list[tuple[JobId, str]]) -> None:
+    def on_chunks(self, worker: WorkerConnection, items: list[ChunkItem]) -> None:
         """Streamed chunks (the hot path: decoded without a model per chunk)."""
         now = worker.last_seen = time.monotonic()
-        for job_id, data in items:
-            self.running.on_chunk(worker, job_id, data, now)
+        for job_id, data, tokens in items:
+            self.running.on_chunk(worker, job_id, data, tokens, now)
 
     def on_message(self, worker: WorkerConnection, msg: WorkerMessage) -> None:
         now = worker.last_seen = time.monotonic()
         match msg:
             case Chunks(items=items):
                 for item in items:
-                    self.running.on_chunk(worker, item.job_id, item.data, now)
+                    self.running.on_chunk(worker, item.job_id, item.data, item.tokens, now)
             case JobDone() | JobResult():
                 self.running.on_end(worker, msg, now)
             case JobFailed():

@@ -29,7 +29,8 @@ from shoal.protocol.messages import (
     encode,
 )
 from shoal.router.context import RouterContext, context
-from shoal.router.workers import ConnState, WorkerConnection
+from shoal.router.stall import frozen, next_check
+from shoal.router.workers import ConnState, Registry, WorkerConnection
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,10 @@ class ProtocolViolation(Exception):
 
 class HeartbeatMissed(Exception):
     pass
+
+
+class Stalled(Exception):
+    """The worker holds jobs and went silent while others were heard from (``stall``)."""
 
 
 def _peer(ws: WebSocket) -> str:
@@ -117,27 +122,45 @@ async def worker_socket(ws: WebSocket) -> None:
     )
     ctx.dispatcher.workers.on_registered(worker, msg.running)
     ctx.deployments.on_registered(worker)
-    why = "connection closed"
+    await _serve(ws, worker, ctx)
+
+
+async def _serve(ws: WebSocket, worker: WorkerConnection, ctx: RouterContext) -> None:
+    """A registered worker's connection until it ends; then its jobs go elsewhere."""
+    lost = False
+
+    def lose(why: str, reason: str) -> None:
+        """Its jobs go elsewhere at once (before a close a frozen peer may never answer)."""
+        nonlocal lost
+        if not lost:
+            lost = True
+            worker.move(ConnState.CLOSED, why)
+            ctx.dispatcher.workers.on_lost(worker, why, reason)
+            ctx.deployments.on_lost(worker)
+
     try:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(_write(ws, worker))
-            tg.create_task(_watchdog(worker, ctx.settings.heartbeat_timeout))
+            tg.create_task(_watchdog(worker, ctx))
             await _read(ws, worker, ctx)
             raise WebSocketDisconnect  # reader ended: tear the other two down
     except* WebSocketDisconnect:
-        why = "connection closed"
+        lose("connection closed", "connection")
     except* HeartbeatMissed:
-        why = "heartbeats missed"
-        await _close_quietly(ws, CLOSE_HEARTBEAT_TIMEOUT, why)
+        lose("heartbeats missed", "heartbeat")
+        await _close_quietly(ws, CLOSE_HEARTBEAT_TIMEOUT, "heartbeats missed")
+    except* Stalled:
+        why = f"silent for {ctx.settings.stall_timeout:g} s while streaming (stall timeout)"
+        lose(why, "stall")
+        await _close_quietly(ws, CLOSE_HEARTBEAT_TIMEOUT, "stalled")
     except* ProtocolViolation as group:
         why = f"protocol violation: {group.exceptions[0]}"
+        lose(why, "connection")
         await _close_quietly(ws, CLOSE_PROTOCOL_ERROR, why[:120])
     except* OSError:
-        why = "connection broke"
+        lose("connection broke", "connection")
     finally:
-        worker.move(ConnState.CLOSED, why)
-        ctx.dispatcher.workers.on_lost(worker, why)
-        ctx.deployments.on_lost(worker)
+        lose("connection closed", "connection")
 
 
 async def _read(ws: WebSocket, worker: WorkerConnection, ctx: RouterContext) -> None:
@@ -171,12 +194,32 @@ async def _write(ws: WebSocket, worker: WorkerConnection) -> None:
         await ws.send_text(frame)
 
 
-async def _watchdog(worker: WorkerConnection, timeout: float) -> None:
+async def _watchdog(worker: WorkerConnection, ctx: RouterContext) -> None:
+    """Drop the worker when its heartbeats stop, or sooner when it is frozen (``stall``)."""
+    timeout, stall = ctx.settings.heartbeat_timeout, ctx.settings.stall_timeout
+    registry = ctx.dispatcher.workers.registry
     while True:
-        delay = worker.last_seen + timeout - time.monotonic()
+        now = time.monotonic()
+        delay = worker.last_seen + timeout - now
         if delay <= 0:
             raise HeartbeatMissed
+        if frozen(now, worker.last_seen, bool(worker.running), _others(registry, worker), stall):
+            log.warning(
+                "worker %s: nothing from it for %.1f s while it holds %d job(s) (%s) and other "
+                "workers are heard from: taken for frozen",
+                worker.id,
+                now - worker.last_seen,
+                len(worker.running),
+                ", ".join(worker.running),
+            )
+            raise Stalled
+        if stall > 0:
+            delay = min(delay, next_check(now, worker.last_seen, stall))
         await asyncio.sleep(delay)
+
+
+def _others(registry: Registry, worker: WorkerConnection) -> list[float]:
+    return [w.last_seen for w in registry if w is not worker]
 
 
 async def _close_quietly(ws: WebSocket, code: int, reason: str) -> None:

@@ -1,0 +1,252 @@
+"""An answer whose worker is lost mid-stream goes on on another worker, each token once: the
+worker SIGKILLed, its llama-server killed, the worker frozen (SIGSTOP). Temperature 0 with
+``ignore_eos``: the client's text is the uninterrupted one, its usage consistent."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from cluster import API_KEY, MODEL, Cluster, Proc, Router, iter_sse
+
+pytestmark = pytest.mark.e2e
+
+TOKENS = 120
+FAULT_AFTER = 15
+"""Content chunks the client has when the fault is made."""
+BODY: dict[str, Any] = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Tell a long story about a lighthouse keeper."}],
+    "max_tokens": TOKENS,
+    "temperature": 0,
+    "ignore_eos": True,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
+
+
+@dataclass
+class Answer:
+    worker: str = ""
+    text: str = ""
+    ids: set[str] = field(default_factory=set)
+    roles: int = 0
+    usage: list[dict[str, Any]] = field(default_factory=list)
+    finish: list[str] = field(default_factory=list)
+    done: bool = False
+    fault_at: float | None = None
+    resumed_after_s: float | None = None
+    """The longest wait for a content chunk from the fault on: from the fault to the next
+    token of the worker that went on (chunks already on their way arrive sooner)."""
+
+
+def ask(router: Router, fault: Callable[[str], None] | None = None) -> Answer:
+    """Stream ``BODY``; after ``FAULT_AFTER`` content chunks call ``fault(worker id)``."""
+    answer = Answer()
+    content = 0
+    last = 0.0
+    with httpx.stream(
+        "POST",
+        router.url + "/v1/chat/completions",
+        json=BODY,
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    ) as r:
+        assert r.status_code == 200, r.read()
+        answer.worker = r.headers["x-shoal-worker"]
+        for data in iter_sse(r):
+            if data == "[DONE]":
+                answer.done = True
+                break
+            chunk = json.loads(data)
+            assert "error" not in chunk, chunk
+            answer.ids.add(chunk["id"])
+            if chunk.get("usage"):
+                answer.usage.append(chunk["usage"])
+            for choice in chunk["choices"]:
+                delta = choice.get("delta") or {}
+                answer.roles += "role" in delta
+                if choice.get("finish_reason"):
+                    answer.finish.append(choice["finish_reason"])
+                if not delta.get("content"):
+                    continue
+                answer.text += delta["content"]
+                content += 1
+                now = time.monotonic()
+                if answer.fault_at is not None:
+                    gap = now - max(last, answer.fault_at)
+                    answer.resumed_after_s = max(answer.resumed_after_s or 0.0, gap)
+                last = now
+                if fault is not None and content == FAULT_AFTER:
+                    fault(answer.worker)
+                    answer.fault_at = time.monotonic()
+    return answer
+
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+ROUTER_ARGS = ("--heartbeat-misses", "10", "--stall-timeout", "2")
+"""Heartbeats time out after 10 s; the stall rule takes 2 s."""
+
+
+@dataclass
+class Fleet:
+    """Routers and workers for this module's faults (each test loses a worker). In-process:
+    one router, three workers; with Redis: two routers, two workers each (the client calls
+    the first; its answer may run on a worker of either)."""
+
+    routers: list[Router]
+    procs: dict[str, Proc]
+    """Worker id -> its process."""
+    reference: Answer
+    """The answer uninterrupted."""
+    frozen: list[Proc] = field(default_factory=list)
+
+    @property
+    def router(self) -> Router:
+        return self.routers[0]
+
+    def ready(self) -> None:
+        """Wait until every worker not killed or frozen is ready (a llama-server restarts)."""
+        live = [p for p in self.procs.values() if p.alive() and p not in self.frozen]
+        self.router.wait_workers(len(live))
+
+    def resumed(self, reason: str) -> float:
+        """``shoal_jobs_resumed_total`` for ``reason``, over every router (a job's holder
+        counts it)."""
+        line = f'shoal_jobs_resumed_total{{model="{MODEL}",reason="{reason}"}} '
+        total = 0.0
+        for router in self.routers:
+            text = httpx.get(router.url + "/metrics", headers=router.headers).text
+            total += sum(float(x[len(line) :]) for x in text.splitlines() if x.startswith(line))
+        return total
+
+
+@pytest.fixture(scope="module", params=["memory", "redis"])
+def fleet(session_cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    prefix = f"shoal-test-{uuid.uuid4().hex[:8]}:"
+    shared = ("--redis-url", REDIS_URL, "--redis-prefix", prefix)
+    if request.param == "memory":
+        routers = [session_cluster.router(*ROUTER_ARGS)]
+        placement = {"w1": 0, "w2": 0, "w3": 0}
+    else:
+        routers = [session_cluster.router(*ROUTER_ARGS, *shared) for _ in range(2)]
+        placement = {"a1": 0, "a2": 0, "b1": 1, "b2": 1}
+    procs = {
+        name: session_cluster.worker(routers[at], "--slots", "1", name=name)
+        for name, at in placement.items()
+    }
+    try:
+        workers = routers[0].wait_workers(len(procs))
+        ids = {w["id"]: procs[w["name"]] for w in workers}
+        yield Fleet(routers, ids, ask(routers[0]))
+    finally:
+        for proc in procs.values():
+            proc.signal(signal.SIGCONT)  # a frozen worker could not stop
+            proc.stop()
+        for router in routers:
+            router.proc.stop()
+        if request.param == "redis":
+            client = redis.Redis(host="127.0.0.1", port=6379)
+            for key in client.scan_iter(match=prefix + "*", count=500):
+                client.unlink(key)
+            client.close()
+
+
+def check_same(answer: Answer, reference: Answer) -> None:
+    assert answer.done, "the stream ended with [DONE]"
+    assert answer.text == reference.text
+    assert answer.roles == 1 and len(answer.ids) == 1
+    [usage], [expected] = answer.usage, reference.usage  # one usage chunk
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert {k: usage[k] for k in counts} == {k: expected[k] for k in counts}
+    assert usage["completion_tokens"] == TOKENS  # the prompt once, every token
+    assert usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"]
+    assert answer.finish == ["length"]
+
+
+def llama_server_pid(router: Router, worker_id: str) -> int:
+    [info] = [w for w in router.workers() if w["id"] == worker_id]
+    return int(info["detail"].rsplit("pid ", 1)[1].rstrip(")"))
+
+
+def report(fleet: Fleet, fault: str, answer: Answer) -> None:
+    kind = "redis" if len(fleet.routers) > 1 else "memory"
+    print(f"\n{kind}: {fault}: next token {answer.resumed_after_s:.3f} s after the fault")
+
+
+def test_a_killed_workers_answer_goes_on_on_another(fleet: Fleet) -> None:
+    fleet.ready()
+    before = fleet.resumed("connection")
+    answer = ask(fleet.router, lambda worker: fleet.procs[worker].signal(signal.SIGKILL))
+    check_same(answer, fleet.reference)
+    assert fleet.resumed("connection") == before + 1
+    report(fleet, "kill -9 worker", answer)
+
+
+def test_an_answer_goes_on_when_its_llama_server_dies(fleet: Fleet) -> None:
+    fleet.ready()
+    before = fleet.resumed("backend")
+    answer = ask(fleet.router, lambda w: os.kill(llama_server_pid(fleet.router, w), signal.SIGKILL))
+    check_same(answer, fleet.reference)
+    assert fleet.resumed("backend") == before + 1
+    report(fleet, "kill -9 llama-server", answer)
+
+
+def test_a_frozen_workers_answer_goes_on_before_its_heartbeats_time_out(fleet: Fleet) -> None:
+    fleet.ready()
+
+    def freeze(worker: str) -> None:
+        fleet.frozen.append(fleet.procs[worker])
+        fleet.procs[worker].signal(signal.SIGSTOP)
+
+    answer = ask(fleet.router, freeze)
+    check_same(answer, fleet.reference)
+    assert answer.resumed_after_s is not None and answer.resumed_after_s < 6  # not 10 s
+    assert fleet.resumed("stall") == 1
+    report(fleet, "SIGSTOP worker", answer)
+
+
+def test_a_pull_workers_answer_goes_on_when_its_llama_server_dies(
+    cluster: Cluster, redis_prefix: str
+) -> None:
+    """A pull worker (no router connection) hands the answer back to Redis with what the
+    client has; the other pull worker goes on with it."""
+    router = cluster.router("--redis-url", REDIS_URL, "--redis-prefix", redis_prefix)
+    for name in ("p1", "p2"):
+        cluster.pull_worker(REDIS_URL, redis_prefix, "--slots", "1", name=name)
+    router.wait_workers(2)
+    reference = ask(router)
+    answer = ask(router, lambda w: os.kill(llama_server_pid(router, w), signal.SIGKILL))
+    check_same(answer, reference)
+    print(
+        f"\npull: kill -9 llama-server: next token {answer.resumed_after_s:.3f} s after the fault"
+    )
+
+
+def test_a_dead_pull_workers_answer_goes_on_after_its_lease(
+    cluster: Cluster, redis_prefix: str
+) -> None:
+    """A pull worker SIGKILLed mid-answer: nobody's connection closes; after its lease the
+    sweep puts the job back with the ids its trail left in Redis, another pull worker goes on."""
+    lease = ("--queue-lease", "3")
+    router = cluster.router("--redis-url", REDIS_URL, "--redis-prefix", redis_prefix, *lease)
+    procs = {
+        name: cluster.pull_worker(REDIS_URL, redis_prefix, "--slots", "1", *lease, name=name)
+        for name in ("p1", "p2")
+    }
+    by_id = {w["id"]: procs[w["name"]] for w in router.wait_workers(2)}
+    reference = ask(router)
+    answer = ask(router, lambda worker: by_id[worker].signal(signal.SIGKILL))
+    check_same(answer, reference)
+    after = answer.resumed_after_s
+    print(f"\npull: kill -9 worker (lease 3 s): next token {after:.3f} s after the fault")

@@ -1,0 +1,328 @@
+"""Going on with an answer another worker began: the token trail, the continuation request,
+and, against a real llama-server, that the continued text is exactly the uninterrupted one."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cluster import free_port, wait_until
+from shoal.protocol.ids import JobId, ModelName
+from shoal.protocol.messages import Continuation, Endpoint, JobDone, JobFailed, JobStart
+from shoal.worker.backend import Backend, BackendTarget
+from shoal.worker.continuation import (
+    NotResumable,
+    Splice,
+    TokenTrail,
+    continuation,
+    with_token_ids,
+)
+from shoal.worker.sink import JobOutcome
+
+MODEL = "m"
+
+
+def _lp(*pieces: tuple[int, bytes]) -> dict[str, Any]:
+    return {"content": [{"id": i, "bytes": list(b), "logprob": 0.0} for i, b in pieces]}
+
+
+def _text_chunk(text: str, *pieces: tuple[int, bytes]) -> dict[str, Any]:
+    return {"choices": [{"text": text, "index": 0, "logprobs": _lp(*pieces) if pieces else None}]}
+
+
+def _chat_chunk(delta: dict[str, Any], *pieces: tuple[int, bytes]) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
+    if pieces:
+        choice["logprobs"] = _lp(*pieces)
+    return {"choices": [choice]}
+
+
+# ---------------------------------------------------------------- the trail (pure)
+
+
+def test_ids_are_released_only_when_the_text_has_caught_up() -> None:
+    trail = TokenTrail(strip=True, chat=False)
+    assert trail.follow(_text_chunk("He", (1, b"He"))) == (1,)
+    held = _text_chunk("", (2, b"ll"))  # held back (a partial stop word, say)
+    assert trail.follow(held) == ()  # the client has the text of id 1, exactly: resumable
+    assert held["choices"][0]["logprobs"] is None  # stripped: the client did not ask
+    assert trail.follow(_text_chunk("llo", (3, b"o"))) == (2, 3)
+    assert trail.follow(_text_chunk("")) == ()
+
+
+def test_a_character_split_over_two_tokens_is_released_with_its_second_half() -> None:
+    trail = TokenTrail(strip=False, chat=True)
+    e_acute = "é".encode()
+    chunk = _chat_chunk({"content": ""}, (7, e_acute[:1]))
+    assert trail.follow(chunk) == ()
+    assert "logprobs" in chunk["choices"][0]  # the client asked: kept
+    assert trail.follow(_chat_chunk({"content": "é"}, (8, e_acute[1:]))) == (7, 8)
+
+
+def test_text_the_ids_do_not_explain_makes_the_trail_lost_for_good() -> None:
+    trail = TokenTrail(strip=True, chat=True)
+    assert trail.follow(_chat_chunk({"role": "assistant", "content": None})) == ()
+    assert trail.follow(_chat_chunk({"content": "Hi"})) is None  # no ids came with it
+    assert trail.follow(_chat_chunk({"content": " there"}, (1, b"Hi"), (2, b" there"))) is None
+    tools = TokenTrail(strip=True, chat=True)
+    assert tools.follow(_chat_chunk({"tool_calls": [{"index": 0}]}, (3, b"{"))) is None
+    assert tools.lost
+
+
+@given(st.lists(st.binary(min_size=1, max_size=4), min_size=1, max_size=30), st.data())
+def test_released_ids_always_spell_exactly_the_text_sent(
+    pieces: list[bytes], data: st.DataObject
+) -> None:
+    """Whatever the grouping of text into chunks, the ids released spell the text sent."""
+    whole = b"".join(pieces)
+    trail = TokenTrail(strip=True, chat=False)
+    released: list[int] = []
+    sent = 0
+    for i, piece in enumerate(pieces):
+        upto = data.draw(st.integers(sent, len(whole[: sum(map(len, pieces[: i + 1]))])))
+        text = whole[sent:upto]
+        try:
+            text_str = text.decode()
+        except UnicodeDecodeError:
+            continue  # llama-server never sends half a character
+        sent = upto
+        ids = trail.follow(_text_chunk(text_str, (i, piece)))
+        if ids is not None:
+            released += ids
+            assert b"".join(pieces[j] for j in released) == whole[:sent]
+
+
+# ---------------------------------------------------------------- the request (pure)
+
+
+def test_the_continuation_asks_for_the_prompt_then_the_produced_ids() -> None:
+    resume = Continuation(tokens=(5, 6, 7), id="cmpl-1", created=100)
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 10,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    body = continuation(chat, Endpoint.CHAT, resume, "<|im_start|>user\nhi")
+    assert body["prompt"] == ["<|im_start|>user\nhi", 5, 6, 7]
+    assert body["max_tokens"] == 7 and body["temperature"] == 0
+    assert "messages" not in body and "stream_options" not in body
+    assert body["n_probs"] == 1 and body["post_sampling_probs"] is True
+    text = continuation(
+        {"prompt": [1, 2], "max_completion_tokens": 4}, Endpoint.COMPLETIONS, resume, None
+    )
+    assert text["prompt"] == [1, 2, 5, 6, 7] and text["max_tokens"] == 1
+    with pytest.raises(NotResumable):
+        continuation({"prompt": ["a", "b"]}, Endpoint.COMPLETIONS, resume, None)
+    with pytest.raises(NotResumable):
+        continuation({**chat, "n": 2}, Endpoint.CHAT, resume, "p")
+    asked = with_token_ids({"logprobs": True, "top_logprobs": 3}, Endpoint.CHAT)
+    assert "n_probs" not in asked
+
+
+def test_the_splice_makes_completion_chunks_the_rest_of_a_chat_stream() -> None:
+    resume = Continuation(tokens=(1, 2), id="chatcmpl-orig", created=42)
+    splice = Splice(Endpoint.CHAT, resume, include_usage=True)
+    assert list(splice.chunks({"id": "x", "created": 9, "choices": [{"text": ""}]})) == []
+    [mid] = splice.chunks({"id": "x", "created": 9, "model": MODEL, "choices": [{"text": "a"}]})
+    assert mid["id"] == "chatcmpl-orig" and mid["created"] == 42
+    assert mid["object"] == "chat.completion.chunk"
+    assert mid["choices"][0]["delta"] == {"content": "a"}
+    last = {
+        "choices": [{"text": "b", "finish_reason": "length", "index": 0}],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15},
+        "timings": {"predicted_n": 3, "prompt_n": 1, "cache_n": 11},
+    }
+    content, end, usage = splice.chunks(last)
+    assert content["choices"][0]["delta"] == {"content": "b"}
+    assert end["choices"][0] == {"finish_reason": "length", "index": 0, "delta": {}}
+    assert usage["choices"] == [] and usage["usage"] == {
+        "prompt_tokens": 10,
+        "completion_tokens": 5,
+        "total_tokens": 15,
+    }
+    # llama-server's counts as if it had run in one go: 10 prompt tokens, 5 generated
+    assert usage["timings"] == {"predicted_n": 5, "prompt_n": 0, "cache_n": 10}
+
+
+# ---------------------------------------------------------------- a real llama-server
+
+
+@pytest.fixture(scope="module")
+def llama_url(
+    llama_server: Path, model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    port = free_port()
+    log = (tmp_path_factory.mktemp("llama") / "llama.log").open("wb")
+    proc = subprocess.Popen(
+        [str(llama_server), "-m", str(model_path), "--alias", MODEL, "--port", str(port)]
+        + ["-np", "1", "-c", "2048", "--threads", "1", "--no-webui"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: httpx.get(url + "/health").status_code == 200, 60, "llama-server")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.chunks: list[tuple[dict[str, Any], tuple[int, ...] | None]] = []
+        self.outcomes: list[JobOutcome] = []
+
+    def chunk(self, job_id: JobId, data: str, tokens: tuple[int, ...] | None = None) -> None:
+        self.chunks.append((orjson.loads(data), tokens))
+
+    def send(self, message: JobOutcome, /) -> None:
+        self.outcomes.append(message)
+
+
+@pytest.fixture
+async def backend(llama_url: str) -> AsyncIterator[Backend]:
+    async with aiohttp.ClientSession() as session:
+        target = BackendTarget(MODEL, stream_upstream=True, token_ids=True)
+        yield Backend(target, session, lambda: llama_url)
+
+
+def _text(chunks: list[tuple[dict[str, Any], tuple[int, ...] | None]], chat: bool) -> str:
+    out = ""
+    for chunk, _ in chunks:
+        for choice in chunk.get("choices") or ():
+            out += (choice.get("delta", {}).get("content") if chat else choice.get("text")) or ""
+    return out
+
+
+def _cut(sink: ListSink, at: int) -> tuple[list[Any], list[int]]:
+    """The chunks a client had when the worker was lost after chunk ``at``, and their ids."""
+    had = sink.chunks[:at]
+    ids = [t for _, tokens in had for t in tokens or ()]
+    assert had[-1][1] is not None, "a cut where the ids are exactly known"
+    return had, ids
+
+
+@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.COMPLETIONS])
+async def test_going_on_gives_exactly_the_uninterrupted_answer(
+    backend: Backend, endpoint: Endpoint
+) -> None:
+    chat = endpoint is Endpoint.CHAT
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 60,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if chat:
+        body["messages"] = [{"role": "user", "content": "Write a poem about the sea. ✨"}]
+    else:
+        body["prompt"] = "Once upon a time, in a village by the sea,"
+    job = JobStart(
+        job_id=JobId("j1"), model=ModelName(MODEL), endpoint=endpoint, stream=True, body=body
+    )
+    whole = ListSink()
+    await backend.run(job, whole)
+    assert whole.outcomes == [JobDone(job_id=JobId("j1"))]
+    assert all(
+        "logprobs" not in c or c["logprobs"] is None
+        for chunk, _ in whole.chunks
+        for c in chunk["choices"]
+    )
+    ids = [t for _, tokens in whole.chunks for t in tokens or ()]
+    assert len(ids) == 60  # every generated token is named, once
+    expected = _text(whole.chunks, chat)
+    first = whole.chunks[0][0]
+    for at in (3, 17, len(whole.chunks) // 2):
+        had, produced = _cut(whole, at)
+        resume = Continuation(tokens=tuple(produced), id=first["id"], created=first["created"])
+        rest = ListSink()
+        again = job.model_copy(update={"job_id": JobId("j2"), "resume": resume, "attempt": 2})
+        await backend.run(again, rest)
+        assert rest.outcomes == [JobDone(job_id=JobId("j2"))]
+        assert _text(had, chat) + _text(rest.chunks, chat) == expected
+        assert all(chunk["id"] == first["id"] for chunk, _ in rest.chunks)
+        roles = [
+            c for chunk, _ in rest.chunks for c in chunk["choices"] if "role" in c.get("delta", {})
+        ]
+        assert roles == []
+        [usage] = [chunk["usage"] for chunk, _ in rest.chunks if chunk.get("usage")]
+        [original] = [chunk["usage"] for chunk, _ in whole.chunks if chunk.get("usage")]
+        assert usage["prompt_tokens"] == original["prompt_tokens"]
+        assert usage["completion_tokens"] == 60 == original["completion_tokens"]
+        [timings] = [chunk["timings"] for chunk, _ in rest.chunks if chunk.get("timings")]
+        assert timings["predicted_n"] == 60
+        assert timings["prompt_n"] + timings["cache_n"] == original["prompt_tokens"]
+        finish = [
+            c["finish_reason"]
+            for chunk, _ in rest.chunks
+            for c in chunk["choices"]
+            if c.get("finish_reason")
+        ]
+        assert finish == ["length"]
+
+
+async def test_a_request_that_cannot_go_on_fails_as_a_lost_worker(backend: Backend) -> None:
+    body = {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 5, "stream": True}
+    job = JobStart(
+        job_id=JobId("j3"),
+        model=ModelName(MODEL),
+        endpoint=Endpoint.COMPLETIONS,
+        stream=True,
+        body=body,
+        resume=Continuation(tokens=(1,)),
+    )
+    sink = ListSink()
+    await backend.run(job, sink)
+    [failed] = sink.outcomes
+    assert isinstance(failed, JobFailed) and failed.error.code == "worker_lost"
+
+
+async def test_a_chat_that_asked_for_logprobs_gets_them_from_the_continuation(
+    backend: Backend,
+) -> None:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 30,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "messages": [{"role": "user", "content": "Name three rivers."}],
+    }
+    job = JobStart(
+        job_id=JobId("j4"), model=ModelName(MODEL), endpoint=Endpoint.CHAT, stream=True, body=body
+    )
+    whole = ListSink()
+    await backend.run(job, whole)
+    had, produced = _cut(whole, 10)
+    first = whole.chunks[0][0]
+    resume = Continuation(tokens=tuple(produced), id=first["id"], created=first["created"])
+    rest = ListSink()
+    await backend.run(job.model_copy(update={"resume": resume}), rest)
+    entries = [
+        entry
+        for chunk, _ in rest.chunks
+        for choice in chunk["choices"]
+        for entry in (choice.get("logprobs") or {}).get("content") or ()
+    ]
+    assert len(entries) == 30 - len(produced)
+    assert all(len(entry["top_logprobs"]) == 2 and "logprob" in entry for entry in entries)
+    assert "".join(entry["token"] for entry in entries) == _text(rest.chunks, True)
+    assert _text(had, True) + _text(rest.chunks, True) == _text(whole.chunks, True)

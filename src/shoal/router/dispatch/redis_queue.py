@@ -204,8 +204,9 @@ class RedisDispatcher:
         return self._depths
 
     async def run_positions(self) -> None:
-        """Read the places of this router's waiting jobs every ``POSITIONS_INTERVAL_S`` in
-        one script call, while any wait; idle (no call) while none does."""
+        """Read the places of this router's waiting jobs in one script call every
+        ``POSITIONS_INTERVAL_S`` while any wait, and at once when one is queued; idle (no
+        call) while none waits."""
         while True:
             waiting = [
                 f.job.id
@@ -220,7 +221,12 @@ class RedisDispatcher:
                 self._places = await self.rqueue.positions(waiting)
             raise_if_cancelled()
             self._places_changed()
-            await asyncio.sleep(POSITIONS_INTERVAL_S)
+            # Again after the interval, or at once for a job queued meanwhile (its first
+            # place is reported without delay; jobs queued during a read share the next).
+            self._some_wait.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(POSITIONS_INTERVAL_S):
+                    await self._some_wait.wait()
 
     async def run_depths(self) -> None:
         """Count the jobs waiting in every queue every heartbeat interval (one script call)."""

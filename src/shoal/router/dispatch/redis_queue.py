@@ -77,6 +77,9 @@ log = logging.getLogger(__name__)
 MIN_LEASE_MS = 3_000
 POSITIONS_INTERVAL_S = 0.5
 """How often the places of this router's waiting jobs are read from Redis (one call)."""
+FIRST_PLACE_AFTER_S = 0.25
+"""A job still waiting this long after it was queued hears its place (before, it may be
+claimed at once by a free worker anywhere, and would not have waited)."""
 QUEUE_REPORT_S = 2.0
 """A waiting stream hears its place at least this often (as ``memory.QUEUE_REPORT_S``)."""
 
@@ -385,6 +388,11 @@ class RedisDispatcher:
             await asyncio.wait([followed.enqueued])
             if followed.enqueued.exception() is not None:
                 await self.wait_assigned(job)  # raises the refusal
+        # Every job passes through Redis: one a free worker takes at once does not count
+        # as waiting (its stream starts with the worker's header, as in one router).
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(FIRST_PLACE_AFTER_S):
+                await job.assigned.wait()
         deadline = job.queued_at + self.settings.max_wait
         last: int | None = None
         reported = 0.0

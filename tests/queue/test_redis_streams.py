@@ -196,7 +196,7 @@ async def test_two_consumers_never_get_the_same_job(queue: Factory) -> None:
 async def test_blocked_consumers_wake_once_per_job(queue: Factory) -> None:
     router, w1, w2 = queue("r1"), queue("w1"), queue("w2")
     waiting = [asyncio.ensure_future(w.claim([CHAT], 1, 1500)) for w in (w1, w2)]
-    await asyncio.sleep(0.2)  # both are now blocked in XREADGROUP
+    await asyncio.sleep(0.2)  # both are now blocked on the queue's wake-up stream
     started = time.monotonic()
     j = job()
     await router.enqueue(j)

@@ -243,8 +243,3 @@ def stream_entries(reply: Any) -> Iterator[tuple[str, str, dict[str, Any]]]:
             entries = entries[0]
         for entry_id, fields in entries:
             yield text(stream), text(entry_id), {text(k): v for k, v in (fields or {}).items()}
-
-
-def entry_order(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)

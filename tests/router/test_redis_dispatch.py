@@ -30,6 +30,7 @@ from shoal.protocol.messages import (
     decode_router_message,
 )
 from shoal.queue.events import Data, Done, Requeued, Result
+from shoal.router.dispatch.fair_queue import Tenant
 from shoal.router.dispatch.job import JobState, Submission
 from shoal.router.dispatch.redis_queue import RedisDispatcher, consumer_name
 from shoal.router.errors import ModelNotFound, QueueFull, Unavailable
@@ -236,3 +237,33 @@ async def test_a_job_run_again_elsewhere_is_cancelled_on_the_reconnecting_worker
     unknown = connect(a, "wc", held=(RunningJob(job_id=JobId("job-gone"), attempt=1),))
     assert await frame(unknown) == JobCancel(job_id=JobId("job-gone"))
     await until(lambda: not stale.running and not unknown.running)
+
+
+async def test_fair_order_places_and_key_caps_are_shared_through_redis(make: Factory) -> None:
+    """Two routers, one worker slot busy: a key flooding router A waits behind a light key's
+    request on router B, every router sees the places and counts, and a capped key is
+    refused on B for what waits on A."""
+    a, b = await make(), await make()
+    worker = connect(b, "wb")
+    await until(lambda: a.remote_workers())
+    heavy, light, capped = Tenant("heavy"), Tenant("light"), Tenant("capped", max_queued=1)
+    busy = b.submit(Submission(M, Endpoint.CHAT, False, {}, heavy))
+    await b.wait_assigned(busy)
+    assert isinstance(await frame(worker), JobStart)
+    flood = [a.submit(Submission(M, Endpoint.CHAT, True, {}, heavy)) for _ in range(3)]
+    positions = a.queue_positions(flood[-1])
+    assert positions is not None
+    assert await anext(positions) == 2  # behind the two heavy jobs queued before it
+    mine = b.submit(Submission(M, Endpoint.CHAT, True, {}, light))
+    light_places = b.queue_positions(mine)
+    assert light_places is not None
+    assert await anext(light_places) == 0  # its tag is V: ahead of the whole flood
+    await until(lambda: b.waiting_by_key() == {"heavy": 3, "light": 1})
+    first = a.submit(Submission(M, Endpoint.CHAT, False, {}, capped))
+    second = b.submit(Submission(M, Endpoint.CHAT, False, {}, capped))
+    with pytest.raises(QueueFull) as refused:
+        await b.wait_assigned(second)
+    assert refused.value.code == "key_queue_full"
+    for router, job in [(a, first), (b, mine), *((a, j) for j in flood)]:
+        router.cancel(job, "test over")
+    await until(lambda: a.waiting_by_key() == {})  # nothing left counted

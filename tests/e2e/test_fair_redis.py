@@ -40,6 +40,15 @@ def waiting_in_redis(prefix: str) -> dict[str, int]:
         client.close()
 
 
+def running(prefix: str) -> int:
+    """Jobs claimed (leases in the queue's stream)."""
+    client = redis.Redis(host="127.0.0.1", port=6379)
+    try:
+        return int(client.xlen(f"{prefix}q:{MODEL}:chat"))
+    finally:
+        client.close()
+
+
 def total_waiting(prefix: str) -> int:
     return sum(waiting_in_redis(prefix).values())
 
@@ -182,26 +191,23 @@ def test_a_router_killed_holding_jobs_leaves_no_waiting_count_behind(
     async def flood_a() -> None:
         async with httpx.AsyncClient(base_url=a.url, timeout=120) as to_a:
 
-            async def one() -> None:
+            async def one(tokens: int) -> None:
                 with contextlib.suppress(httpx.HTTPError):  # its router is killed under it
-                    await to_a.post("/v1/chat/completions", json=ask(400), headers=auth(capped))
+                    await to_a.post("/v1/chat/completions", json=ask(tokens), headers=auth(capped))
 
             async with asyncio.TaskGroup() as tg:
-                for _ in range(3):
-                    tg.create_task(one())
-                await until_waiting(redis_prefix, 2)  # one runs on A's worker, two wait
+                tg.create_task(one(120))  # held by A, running on its worker
+                await asyncio.to_thread(wait_until, lambda: running(redis_prefix), 30, "a job")
+                for _ in range(2):
+                    tg.create_task(one(8))
+                await until_waiting(redis_prefix, 2)
                 assert list(waiting_in_redis(redis_prefix).values()) == [2]  # all the key's
                 a.proc.signal(signal.SIGKILL)
 
     asyncio.run(flood_a())
     cluster.worker(b, "--slots", "2", name="on-b")
     wait_until(lambda: total_waiting(redis_prefix) == 0 or None, 60, "the waiting jobs to run")
-    client = redis.Redis(host="127.0.0.1", port=6379)
-    try:
-        stream = f"{redis_prefix}q:{MODEL}:chat"
-        wait_until(lambda: client.xlen(stream) == 0 or None, 60, "A's held job to be taken over")
-    finally:
-        client.close()
+    wait_until(lambda: running(redis_prefix) == 0 or None, 60, "A's held job to be taken over")
     assert waiting_in_redis(redis_prefix) == {}
 
     async def again() -> list[int]:

@@ -30,9 +30,12 @@ key                             type         contents and lifetime
 ``{p}queues``                   set          Names of the queue streams above, so a sweep finds
                                              every queue without ``SCAN``/``KEYS``. No TTL.
 ``{p}job:{id}``                 hash         The job: ``model endpoint stream body queue entry
-                                             state owner attempt seq started created``. TTL
-                                             ``JOB_TTL_MS`` from enqueue, cut to
-                                             ``FINISHED_TTL_MS`` when the job ends.
+                                             state owner attempt seq started created``; its
+                                             queue's other keys ``ready batch aging fair wake``
+                                             and ``kw`` (``keys:waiting``); its share
+                                             ``tenant weight prio work mode``; while it waits
+                                             ``tag member since``. TTL ``JOB_TTL_MS`` from
+                                             enqueue, cut to ``FINISHED_TTL_MS`` when it ends.
 ``{p}job:{id}:out``             stream       The job's output events (field ``e``, compact
                                              JSON), ``MAXLEN ~ OUT_MAXLEN``. TTL ``OUT_TTL_MS``
                                              from the last event, ``FINISHED_TTL_MS`` once the

@@ -8,6 +8,11 @@ key B sends ``--light`` short requests one after another. Reported: B's latency 
 any flood), B's latency under the flood in each mode, and A's tokens/s meanwhile.
 
     python benchmarks/fairness.py
+    python benchmarks/fairness.py --redis-url redis://127.0.0.1:6379/0
+
+With ``--redis-url`` each mode runs two routers sharing that Redis (a key prefix of their
+own, deleted afterwards): the worker is attached to the first and key A floods it, key B
+asks the second, so B's requests are ordered against A's by the fairness state in Redis.
 
 Targets (issue 14): B's p50 under flood with fair >= 10x lower than with fifo, and within
 (B alone + the time one of A's requests takes); A's throughput with fair >= 0.95x fifo's.
@@ -20,10 +25,12 @@ import asyncio
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import redis
 
 from common import free_port, median, pct, print_table, processes, wait_http, write_json
 
@@ -66,11 +73,16 @@ async def light_requests(client: httpx.AsyncClient, key: str, n: int, tokens: in
     return out
 
 
-async def measure(router: str, heavy: str, light: str, args: argparse.Namespace) -> Run:
+async def measure(
+    router: str, heavy: str, light: str, args: argparse.Namespace, light_router: str
+) -> Run:
     run = Run()
     stop = asyncio.Event()
     limits = httpx.Limits(max_connections=args.flood + 8, max_keepalive_connections=args.flood + 8)
-    async with httpx.AsyncClient(base_url=router, timeout=600, limits=limits) as client:
+    async with (
+        httpx.AsyncClient(base_url=router, timeout=600, limits=limits) as client,
+        httpx.AsyncClient(base_url=light_router, timeout=600) as light_client,
+    ):
 
         async def flood_one() -> None:
             while not stop.is_set():
@@ -92,7 +104,7 @@ async def measure(router: str, heavy: str, light: str, args: argparse.Namespace)
             while await queued() < args.flood - args.slots:  # the flood is waiting
                 await asyncio.sleep(0.05)
             t0 = time.perf_counter()
-            run.light_ms = await light_requests(client, light, args.light, args.light_tokens)
+            run.light_ms = await light_requests(light_client, light, args.light, args.light_tokens)
             run.heavy_seconds = time.perf_counter() - t0
             stop.set()
             for task in floods:
@@ -121,6 +133,7 @@ def main() -> None:
     parser.add_argument("--light", type=int, default=10, help="key B's requests, one by one")
     parser.add_argument("--light-tokens", type=int, default=16)
     parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--redis-url", help="two routers sharing this Redis (see above)")
     args = parser.parse_args()
 
     cache = CommonSettings().cache_dir
@@ -141,28 +154,46 @@ def main() -> None:
         wait_http(direct + "/health")
         for mode in ("fifo", "fair"):
             url, heavy, light = keys(Path(tempfile.mkdtemp(dir=tmp)))
-            port = free_port()
-            router = f"http://127.0.0.1:{port}"
-            procs.shoal(
-                f"router-{mode}",
-                *("router", "--port", str(port), "--database-url", url, "--scheduling", mode),
-                *("--max-wait", "600", "--log-level", "warning"),
-            )
-            wait_http(router + "/health")
+            prefix = f"shoal-bench-fairness-{uuid.uuid4().hex[:8]}:"
+            shared = ("--redis-url", args.redis_url, "--redis-prefix", prefix)
+            routers = []
+            for n in range(2 if args.redis_url else 1):
+                port = free_port()
+                routers.append((port, f"http://127.0.0.1:{port}"))
+                procs.shoal(
+                    f"router-{mode}-{n}",
+                    *("router", "--port", str(port), "--database-url", url, "--scheduling", mode),
+                    *("--max-wait", "600", "--log-level", "warning"),
+                    *(shared if args.redis_url else ()),
+                )
+                wait_http(routers[-1][1] + "/health")
+            (port, router), (_, light_router) = routers[0], routers[-1]
             procs.shoal(
                 f"worker-{mode}",
                 *("worker", "--router-url", f"127.0.0.1:{port}", "--backend-url", direct),
                 *("--model-alias", MODEL, "--slots", str(args.slots), "--log-level", "warning"),
             )
-            wait_ready(router, light)
+            wait_ready(light_router, light)
             if not alone:
                 print(f"key B alone: {args.light} requests of {args.light_tokens} tokens ...")
-                alone = asyncio.run(light_alone(router, light, args))
+                alone = asyncio.run(light_alone(light_router, light, args))
             print(f"{mode}: key A keeps {args.flood} x {args.flood_tokens} tokens in flight ...")
-            runs[mode] = asyncio.run(measure(router, heavy, light, args))
+            runs[mode] = asyncio.run(measure(router, heavy, light, args, light_router))
             procs.stop_named(f"worker-{mode}")
-            procs.stop_named(f"router-{mode}")
+            for n in range(len(routers)):
+                procs.stop_named(f"router-{mode}-{n}")
+            if args.redis_url:
+                drop_prefix(args.redis_url, prefix)
     report(args, alone, runs)
+
+
+def drop_prefix(url: str, prefix: str) -> None:
+    client = redis.Redis.from_url(url)
+    try:
+        for key in client.scan_iter(match=prefix + "*", count=500):
+            client.unlink(key)
+    finally:
+        client.close()
 
 
 async def light_alone(router: str, light: str, args: argparse.Namespace) -> list[float]:
@@ -204,13 +235,15 @@ def report(args: argparse.Namespace, alone: list[float], runs: dict[str, Run]) -
     rows.append(["fifo p50 / fair p50", speedup, "", "", "target >= 10x"])
     rows.append(["A tok/s fair / fifo", throughput, "", "", "target >= 0.95x"])
     results |= {"light_p50_fifo_over_fair": speedup, "heavy_throughput_fair_over_fifo": throughput}
+    where = ", two routers on Redis" if args.redis_url else ""
     print_table(
         f"Fairness: key A floods {args.flood} x {args.flood_tokens} tokens, key B asks "
-        f"{args.light} x {args.light_tokens} tokens ({args.slots} slots)",
+        f"{args.light} x {args.light_tokens} tokens ({args.slots} slots{where})",
         ["", "B p50 ms", "B p95 ms", "A tok/s", ""],
         rows,
     )
-    write_json("fairness", {"config": vars(args), "results": results})
+    name = "fairness-redis" if args.redis_url else "fairness"
+    write_json(name, {"config": vars(args), "results": results})
 
 
 if __name__ == "__main__":

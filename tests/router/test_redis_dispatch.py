@@ -31,6 +31,7 @@ from shoal.protocol.messages import (
     decode_router_message,
 )
 from shoal.queue.events import Data, Done, Requeued, Result
+from shoal.router.dispatch.fair_queue import Tenant
 from shoal.router.dispatch.job import JobState, Submission
 from shoal.router.dispatch.redis_queue import RedisDispatcher, consumer_name
 from shoal.router.errors import ModelNotFound, QueueFull, Unavailable
@@ -291,3 +292,33 @@ async def test_an_adopted_answer_goes_on_from_its_trail_when_its_worker_dies_too
     start = await frame(spare)
     assert isinstance(start, JobStart) and start.job_id == job.id
     assert start.resume == Continuation(tokens=(1, 2, 3), id="chatcmpl-5", created=8)
+
+
+async def test_fair_order_places_and_key_caps_are_shared_through_redis(make: Factory) -> None:
+    """Two routers, one worker slot busy: a key flooding router A waits behind a light key's
+    request on router B, every router sees the places and counts, and a capped key is
+    refused on B for what waits on A."""
+    a, b = await make(), await make()
+    worker = connect(b, "wb")
+    await until(lambda: a.remote_workers())
+    heavy, light, capped = Tenant("heavy"), Tenant("light"), Tenant("capped", max_queued=1)
+    busy = b.submit(Submission(M, Endpoint.CHAT, False, {}, heavy))
+    await b.wait_assigned(busy)
+    assert isinstance(await frame(worker), JobStart)
+    flood = [a.submit(Submission(M, Endpoint.CHAT, True, {}, heavy)) for _ in range(3)]
+    positions = a.queue_positions(flood[-1])
+    assert positions is not None
+    assert await anext(positions) == 2  # behind the two heavy jobs queued before it
+    mine = b.submit(Submission(M, Endpoint.CHAT, True, {}, light))
+    light_places = b.queue_positions(mine)
+    assert light_places is not None
+    assert await anext(light_places) == 0  # its tag is V: ahead of the whole flood
+    await until(lambda: b.waiting_by_key() == {"heavy": 3, "light": 1})
+    first = a.submit(Submission(M, Endpoint.CHAT, False, {}, capped))
+    second = b.submit(Submission(M, Endpoint.CHAT, False, {}, capped))
+    with pytest.raises(QueueFull) as refused:
+        await b.wait_assigned(second)
+    assert refused.value.code == "key_queue_full"
+    for router, job in [(a, first), (b, mine), *((a, j) for j in flood)]:
+        router.cancel(job, "test over")
+    await until(lambda: a.waiting_by_key() == {})  # nothing left counted

@@ -30,7 +30,7 @@ from shoal.queue.redis_support import OutageLog, retrying
 
 T = TypeVar("T")
 
-SCRIPTS = ("ENQUEUE", "TAKE", "CLAIM", "RECLAIM", "RENEW", "PUBLISH") + (
+SCRIPTS = ("ENQUEUE", "TAKE", "POSITIONS", "RECLAIM", "RENEW", "PUBLISH") + (
     "ACK",
     "GIVE_BACK",
     "GO_ON",

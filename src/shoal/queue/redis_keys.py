@@ -6,17 +6,36 @@ Several clusters or test runs share one Redis by using different prefixes. Names
 ==============================  ===========  ==================================================
 key                             type         contents and lifetime
 ==============================  ===========  ==================================================
-``{p}q:{model}:{endpoint}``     stream       Jobs waiting or running for one (model, endpoint),
-                                             one entry ``job=<id>`` each, read by the consumer
-                                             group ``GROUP``. An entry is deleted when its job
-                                             ends, so ``XLEN`` = waiting + running. No TTL
-                                             (the group lives in it); one key per served pair.
+``{p}q:{model}:{endpoint}``     stream       Jobs running for one (model, endpoint): the
+                                             leases. A claim adds an entry ``job=<id>`` and
+                                             reads it at once for its consumer in group
+                                             ``GROUP``, so every entry is pending (``XLEN`` =
+                                             running). Deleted when its job ends or goes back
+                                             to wait. No TTL (the group lives in it).
+``{p}qr:{model}:{endpoint}``    zset         Jobs waiting to be claimed first: interactive ones
+                                             and batch ones that aged, scored by start tag
+                                             (``fair_queue``); member ``<seq>:<job id>:<key>``
+                                             so equal tags go in arrival order. No TTL.
+``{p}qb:{model}:{endpoint}``    zset         Batch jobs waiting (not aged yet), the same way.
+``{p}qa:{model}:{endpoint}``    zset         The same batch members scored by when they
+                                             queued (ms), to promote the aged ones to ``qr``.
+``{p}qf:{model}:{endpoint}``    hash         The queue's fairness state: ``v`` (virtual time),
+                                             ``seq``/``front`` counters, ``f:<key>`` each
+                                             key's finish tag, ``n:<key>`` its jobs waiting.
+``{p}qk:{model}:{endpoint}``    stream       Wake-ups: an entry per job that starts to wait;
+                                             claimers block on it (``XREAD`` from the last id
+                                             the claim script saw). ``MAXLEN 16``.
+``{p}keys:waiting``             hash         Jobs waiting per API key over every queue: what
+                                             ``max_queued`` bounds across routers.
 ``{p}queues``                   set          Names of the queue streams above, so a sweep finds
                                              every queue without ``SCAN``/``KEYS``. No TTL.
 ``{p}job:{id}``                 hash         The job: ``model endpoint stream body queue entry
-                                             state owner attempt seq started created``. TTL
-                                             ``JOB_TTL_MS`` from enqueue, cut to
-                                             ``FINISHED_TTL_MS`` when the job ends.
+                                             state owner attempt seq started created``; its
+                                             queue's other keys ``ready batch aging fair wake``
+                                             and ``kw`` (``keys:waiting``); its share
+                                             ``tenant weight prio work mode``; while it waits
+                                             ``tag member since``. TTL ``JOB_TTL_MS`` from
+                                             enqueue, cut to ``FINISHED_TTL_MS`` when it ends.
 ``{p}job:{id}:out``             stream       The job's output events (field ``e``, compact
                                              JSON), ``MAXLEN ~ OUT_MAXLEN``. TTL ``OUT_TTL_MS``
                                              from the last event, ``FINISHED_TTL_MS`` once the
@@ -48,6 +67,10 @@ key                             type         contents and lifetime
                                              JSON), with the lease's TTL.
 ==============================  ===========  ==================================================
 
+Every waiting count (``qr``/``qb`` cardinalities, ``n:<key>``, ``keys:waiting``) changes in the
+same script as the job's state, so a job claimed, withdrawn, cancelled or put back by any
+router (or by the sweep that recovers a dead one) never leaves a count behind.
+
 Job leases live in the stream's pending entries list: a holder renews a job by
 ``XCLAIM``-ing it to itself (``JUSTID``, which resets its idle time), and a job idle past the
 lease is taken over with ``XAUTOCLAIM``. There are no separate job lease keys.
@@ -61,6 +84,7 @@ of several jobs at once, which Redis Cluster does not allow.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import Endpoint
@@ -80,6 +104,25 @@ CANCELS_TTL_MS = 3600 * 1000  # cancellations for a consumer that never reads th
 _SAFE_ID = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 
 
+@dataclass(frozen=True, slots=True)
+class QueueKeys:
+    """Every key of one (model, endpoint) queue, in the order the scripts take them."""
+
+    stream: str
+    ready: str
+    batch: str
+    aging: str
+    fair: str
+    wake: str
+
+    def all(self) -> list[str]:
+        return [self.stream, self.ready, self.batch, self.aging, self.fair, self.wake]
+
+
+QUEUE_KINDS = ("q:", "qr:", "qb:", "qa:", "qf:", "qk:")
+"""The key kinds of a queue, as ``QueueKeys`` lists them (``{p}<kind>{model}:{endpoint}``)."""
+
+
 class RedisKeys:
     """Key names for one prefix."""
 
@@ -91,9 +134,21 @@ class RedisKeys:
         # still unambiguous.
         return f"{self.prefix}q:{model}:{Endpoint(endpoint).value}"
 
+    def queue_keys(self, model: ModelName, endpoint: Endpoint) -> QueueKeys:
+        suffix = f"{model}:{Endpoint(endpoint).value}"
+        return QueueKeys(*(f"{self.prefix}{kind}{suffix}" for kind in QUEUE_KINDS))
+
+    def queue_kind_prefixes(self) -> list[str]:
+        """``{p}q:``, ``{p}qr:``...: a script finds a queue's other keys from its stream's."""
+        return [f"{self.prefix}{kind}" for kind in QUEUE_KINDS]
+
     @property
     def queues(self) -> str:
         return f"{self.prefix}queues"
+
+    @property
+    def key_waiting(self) -> str:
+        return f"{self.prefix}keys:waiting"
 
     def parse_queue(self, key: str) -> tuple[ModelName, Endpoint] | None:
         """The (model, endpoint) of a ``queue`` key name; None if it is not one."""

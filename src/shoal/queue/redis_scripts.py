@@ -18,8 +18,15 @@ Job states (the hash field ``state``)::
        └─requeue/reclaim──┘  (only while nothing was published: ``started`` unset)
     waiting ──cancel──▶ cancelled
 
-A queue entry lives from enqueue until its job leaves ``running`` or ``waiting``; a job
-that goes back to wait gets a new entry (at the tail) and its old one is deleted.
+A waiting job is a member of its queue's sorted set (``qr``, or ``qb`` for batch work not
+aged yet), scored by its start tag: start-time fair queueing between API keys, the same
+arithmetic as ``router/dispatch/fair_queue.py`` (checked against it with hypothesis in
+``tests/queue/test_redis_fairness.py``). ``enwait`` computes the tag as the job starts to
+wait; ``TAKE`` takes the smallest tag, moves the virtual time and gives the job a stream
+entry delivered to the claiming consumer in the same script: the lease. A queue entry lives
+from that claim until its job ends or goes back to wait (first in its class, as
+``FairQueue.push_front``), when it is deleted. Every count of waiting jobs (per queue, per
+key) changes in the same script as the job's state.
 """
 
 from __future__ import annotations
@@ -47,11 +54,83 @@ local function finish(id, state)
   redis.call('PEXPIRE', JP .. id .. OS, FINTTL)
 end
 
--- put a job back at the tail of its queue (a new entry wakes blocked readers)
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- numbers written to Redis keep every bit (tostring would keep 14 digits)
+local function fmt(x) return string.format('%.17g', x) end
+
+-- key `who`'s jobs waiting: in the queue's fairness state and over every queue
+local function tally(fair, kw, who, d)
+  if redis.call('HINCRBY', fair, 'n:' .. who, d) <= 0 then redis.call('HDEL', fair, 'n:' .. who) end
+  if redis.call('HINCRBY', kw, who, d) <= 0 then redis.call('HDEL', kw, who) end
+end
+
+local WAITF = {'ready', 'batch', 'aging', 'fair', 'kw', 'wake', 'tenant', 'weight', 'work',
+               'prio', 'mode'}
+
+-- the job starts to wait: start tag S = max(V, F[key]), F[key] = S + max(work, 1) / weight
+-- (fair_queue.FairQueue._tag); `front`: put back, first in its class (push_front). The
+-- member sorts equal tags by arrival; fifo mode scores every job 0 (arrival order only).
+local function enwait(id, front)
+  local j = JP .. id
+  local f = redis.call('HMGET', j, unpack(WAITF))
+  local fair, who = f[4], f[7]
+  local v = tonumber(redis.call('HGET', fair, 'v') or '0')
+  local tag, seq = v, 0
+  if front then
+    seq = 1e15 - redis.call('HINCRBY', fair, 'front', 1)
+  else
+    seq = 1e15 + redis.call('HINCRBY', fair, 'seq', 1)
+    local last = redis.call('HGET', fair, 'f:' .. who)
+    if last then tag = math.max(v, tonumber(last)) end
+    redis.call('HSET', fair, 'f:' .. who, fmt(tag + math.max(tonumber(f[9]), 1) / tonumber(f[8])))
+  end
+  local fifo = f[11] == 'fifo'
+  local score = (fifo and 0) or tag
+  local member = string.format('%016d:%s:%s', seq, id, who)
+  local now = now_ms()
+  if fifo or f[10] ~= 'batch' then
+    redis.call('ZADD', f[1], fmt(score), member)
+  else
+    redis.call('ZADD', f[2], fmt(score), member)
+    redis.call('ZADD', f[3], now, member)
+  end
+  redis.call('HSET', j, 'state', 'waiting', 'entry', '', 'owner', '', 'tag', fmt(tag),
+             'member', member, 'since', now)
+  tally(fair, f[5], who, 1)
+  redis.call('XADD', f[6], 'MAXLEN', 16, '*', 'j', id)  -- wakes blocked claimers
+end
+
+-- the job no longer waits (claimed, cancelled, withdrawn); false if it was not waiting
+local function unwait(id)
+  local f = redis.call('HMGET', JP .. id, 'ready', 'batch', 'aging', 'fair', 'kw', 'tenant',
+                       'member')
+  if not f[7] then return false end
+  local n = redis.call('ZREM', f[1], f[7]) + redis.call('ZREM', f[2], f[7])
+  redis.call('ZREM', f[3], f[7])
+  if n > 0 then tally(f[4], f[5], f[6], -1) end
+  return n > 0
+end
+
+-- batch jobs that waited `aging_ms` compete with interactive ones (by their start tag)
+local function promote(ready, batch, aging, now, aging_ms)
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', aging, '-inf', now - aging_ms)) do
+    local s = redis.call('ZSCORE', batch, m)
+    if s then
+      redis.call('ZADD', ready, s, m)
+      redis.call('ZREM', batch, m)
+    end
+    redis.call('ZREM', aging, m)
+  end
+end
+
+-- put a job back in its queue, first in its class (its lease entry is deleted)
 local function requeue(q, entry, id)
   drop(q, entry)
-  local new = redis.call('XADD', q, '*', 'job', id)
-  redis.call('HSET', JP .. id, 'state', 'waiting', 'entry', new, 'owner', '')
+  enwait(id, true)
 end
 
 local FIELDS = {'state', 'entry', 'owner', 'attempt', 'model', 'endpoint', 'stream', 'body',
@@ -90,20 +169,28 @@ end
 ENQUEUE = (
     _PRELUDE
     + """
--- KEYS: job hash, queue stream, queue registry. ARGV[8..]: max_len, job ttl, model,
--- endpoint, stream flag, body, job id. Returns {1 added | 0 duplicate | -1 full, depth}.
-local depth = redis.call('XLEN', KEYS[2])
+-- KEYS: job hash, queue stream, queue registry, ready, batch, aging, fair, wake, per-key
+-- counts. ARGV[8..]: max_len, job ttl, model, endpoint, stream flag, body, job id, key,
+-- weight, class, work, mode (fair|fifo), the key's max_queued (-1: none).
+-- Returns {1 added | 0 duplicate | -1 queue full | -2 key over its cap, depth or its count}.
+local depth = redis.call('XLEN', KEYS[2]) + redis.call('ZCARD', KEYS[4])
+              + redis.call('ZCARD', KEYS[5])
 if redis.call('EXISTS', KEYS[1]) == 1 then return {0, depth} end
 local max = tonumber(ARGV[8])
 if max > 0 and depth >= max then return {-1, depth} end
-local entry = redis.call('XADD', KEYS[2], '*', 'job', ARGV[14])
+local who, cap = ARGV[15], tonumber(ARGV[20])
+local mine = tonumber(redis.call('HGET', KEYS[9], who) or '0')
+if cap >= 0 and mine >= cap then return {-2, mine} end
 local t = redis.call('TIME')
 redis.call('HSET', KEYS[1], 'model', ARGV[10], 'endpoint', ARGV[11], 'stream', ARGV[12],
-           'body', ARGV[13], 'queue', KEYS[2], 'entry', entry, 'state', 'waiting',
-           'owner', '', 'attempt', 0, 'seq', 0,
+           'body', ARGV[13], 'queue', KEYS[2], 'ready', KEYS[4], 'batch', KEYS[5],
+           'aging', KEYS[6], 'fair', KEYS[7], 'wake', KEYS[8], 'kw', KEYS[9],
+           'tenant', who, 'weight', ARGV[16], 'prio', ARGV[17], 'work', ARGV[18],
+           'mode', ARGV[19], 'attempt', 0, 'seq', 0,
            'created', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
 redis.call('PEXPIRE', KEYS[1], ARGV[9])
 redis.call('SADD', KEYS[3], KEYS[2])
+enwait(ARGV[14], false)
 return {1, depth + 1}
 """
 )
@@ -111,87 +198,143 @@ return {1, depth + 1}
 TAKE = (
     _PRELUDE
     + """
--- Without blocking, take up to ARGV[8] waiting jobs from the queues in KEYS, oldest entry
--- first across all of them, creating the consumer group where it is missing.
-local function last_delivered(q)
-  local groups = redis.pcall('XINFO', 'GROUPS', q)
-  if groups.err == nil then
-    for _, g in ipairs(groups) do
-      local name, last
-      for i = 1, #g, 2 do
-        if g[i] == 'name' then name = g[i + 1] end
-        if g[i] == 'last-delivered-id' then last = g[i + 1] end
-      end
-      if name == G then return last end
+-- Take up to ARGV[8] waiting jobs for C, without blocking: in each queue the smallest start
+-- tag (interactive and aged batch first), across queues the head that waited longest.
+-- ARGV[9]: batch aging in ms. KEYS[1]: the per-key counts; then per queue its six keys
+-- (stream, ready, batch, aging, fair, wake). Returns {jobs taken, per queue the last
+-- wake-up id}: a claimer that got nothing blocks on the wake streams from those ids.
+local count, aging_ms, kw = tonumber(ARGV[8]), tonumber(ARGV[9]), KEYS[1]
+local now = now_ms()
+local qs = {}
+for i = 2, #KEYS, 6 do
+  local Q = {q = KEYS[i], ready = KEYS[i + 1], batch = KEYS[i + 2], aging = KEYS[i + 3],
+             fair = KEYS[i + 4], wake = KEYS[i + 5]}
+  if redis.call('EXISTS', Q.q) == 0 then
+    redis.call('XGROUP', 'CREATE', Q.q, G, '$', 'MKSTREAM')
+  end
+  promote(Q.ready, Q.batch, Q.aging, now, aging_ms)
+  qs[#qs + 1] = Q
+end
+
+-- the next job of a queue; members whose job expired are forgotten with their count
+local function head(Q)
+  while true do
+    local cls, r = 0, redis.call('ZRANGE', Q.ready, 0, 0)
+    if #r == 0 then cls, r = 1, redis.call('ZRANGE', Q.batch, 0, 0) end
+    if #r == 0 then return nil end
+    local m = r[1]
+    local id, who = string.match(m, '^%d+:([^:]+):(.*)$')
+    local f = redis.call('HMGET', JP .. id, 'state', 'member', 'since', 'tag')
+    if f[1] == 'waiting' and f[2] == m then
+      return {cls = cls, since = tonumber(f[3]), tag = tonumber(f[4]), m = m, id = id, who = who}
+    end
+    redis.call('ZREM', Q.ready, m)
+    redis.call('ZREM', Q.batch, m)
+    redis.call('ZREM', Q.aging, m)
+    tally(Q.fair, kw, who, -1)
+  end
+end
+
+-- a key whose finish tag is behind the virtual time starts at V anyway: its tag is
+-- dropped unless it has jobs waiting (FairQueue._forget_idle)
+local function forget(fair, v)
+  local h = redis.call('HGETALL', fair)
+  local busy = {}
+  for i = 1, #h, 2 do
+    if string.sub(h[i], 1, 2) == 'n:' then busy[string.sub(h[i], 3)] = true end
+  end
+  for i = 1, #h, 2 do
+    local k = h[i]
+    if string.sub(k, 1, 2) == 'f:' and not busy[string.sub(k, 3)]
+       and tonumber(h[i + 1]) <= v then
+      redis.call('HDEL', fair, k)
     end
   end
-  redis.call('XGROUP', 'CREATE', q, G, '0', 'MKSTREAM')
-  return '0-0'
 end
 
-local function head(q, after)
-  local r = redis.call('XRANGE', q, '(' .. after, '+', 'COUNT', 1)
-  if #r == 0 then return nil end
-  return r[1][1]
-end
-
-local function older(a, b)
-  local am, as = string.match(a, '(%d+)-(%d+)')
-  local bm, bs = string.match(b, '(%d+)-(%d+)')
-  if tonumber(am) ~= tonumber(bm) then return tonumber(am) < tonumber(bm) end
-  return tonumber(as) < tonumber(bs)
-end
-
-local count = tonumber(ARGV[8])
-local heads = {}
-for i, q in ipairs(KEYS) do heads[i] = head(q, last_delivered(q)) end
-local taken = {}
+local taken, heads = {}, {}
+for i, Q in ipairs(qs) do heads[i] = head(Q) end
 while #taken < count do
   local best = nil
-  for i = 1, #KEYS do
-    if heads[i] and (best == nil or older(heads[i], heads[best])) then best = i end
+  for i = 1, #qs do
+    local h, b = heads[i], heads[best or i]
+    if h and (best == nil or h.cls < b.cls or (h.cls == b.cls and h.since < b.since)) then
+      best = i
+    end
   end
   if best == nil then break end
-  local q = KEYS[best]
-  local r = redis.call('XREADGROUP', 'GROUP', G, C, 'COUNT', 1, 'STREAMS', q, '>')
-  if not r then
-    heads[best] = nil
-  else
-    local e = r[1][2][1]
-    local id = job_of(e[2])
-    local got = id and start(q, e[1], id, false)
-    if got then taken[#taken + 1] = got elseif not id then drop(q, e[1]) end
-    heads[best] = head(q, e[1])
+  local Q, h = qs[best], heads[best]
+  redis.call('ZREM', Q.ready, h.m)
+  redis.call('ZREM', Q.batch, h.m)
+  redis.call('ZREM', Q.aging, h.m)
+  tally(Q.fair, kw, h.who, -1)
+  local v = tonumber(redis.call('HGET', Q.fair, 'v') or '0')
+  if h.tag > v then
+    v = h.tag
+    redis.call('HSET', Q.fair, 'v', fmt(v))
   end
+  forget(Q.fair, v)
+  -- the lease: an entry delivered to C at once (every other entry was, when it was added)
+  local entry = redis.call('XADD', Q.q, '*', 'job', h.id)
+  while true do
+    local e = redis.call('XREADGROUP', 'GROUP', G, C, 'COUNT', 1, 'STREAMS', Q.q, '>')[1][2][1]
+    if e[1] == entry then break end
+    drop(Q.q, e[1])  -- left by an older layout: no job waits on it
+  end
+  redis.call('HSET', JP .. h.id, 'entry', entry)
+  local got = start(Q.q, entry, h.id, false)
+  if got then taken[#taken + 1] = got end
+  heads[best] = head(Q)
 end
-return taken
+local cursors = {}
+for i, Q in ipairs(qs) do
+  local last = redis.call('XREVRANGE', Q.wake, '+', '-', 'COUNT', 1)
+  cursors[i] = (#last > 0 and last[1][1]) or '0-0'
+end
+return {taken, cursors}
 """
 )
 
-CLAIM = (
+POSITIONS = (
     _PRELUDE
     + """
--- Entries a blocking XREADGROUP delivered to C: start the first ARGV[8] (oldest first, as
--- sent), put the rest back at the tail. ARGV[9..]: (queue, entry, job id) triples.
-local count = tonumber(ARGV[8])
-local taken = {}
-for i = 9, #ARGV, 3 do
-  local q, entry, id = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  if #taken < count then
-    local got = start(q, entry, id, false)
-    if got then taken[#taken + 1] = got end
-  else
-    local f = redis.call('HMGET', JP .. id, 'state', 'entry')
-    if f[2] ~= entry or (f[1] ~= 'waiting' and f[1] ~= 'running') then
-      drop(q, entry)  -- stale
-    elseif f[1] == 'waiting' then
-      requeue(q, entry, id)
+-- Places of waiting jobs: how many jobs of their queue go first. ARGV[8] batch aging in ms,
+-- ARGV[9..] job ids. Per job its place, or -1 if it does not wait.
+local now, aging_ms = now_ms(), tonumber(ARGV[8])
+local promoted, res = {}, {}
+for i = 9, #ARGV do
+  local f = redis.call('HMGET', JP .. ARGV[i], 'state', 'ready', 'batch', 'aging', 'member')
+  local place = -1
+  if f[1] == 'waiting' and f[5] then
+    if not promoted[f[2]] then
+      promote(f[2], f[3], f[4], now, aging_ms)
+      promoted[f[2]] = true
+    end
+    local r = redis.call('ZRANK', f[2], f[5])
+    if r then
+      place = r
+    else
+      local b = redis.call('ZRANK', f[3], f[5])
+      if b then place = redis.call('ZCARD', f[2]) + b end
     end
   end
+  res[#res + 1] = place
 end
-return taken
+return res
 """
 )
+
+SETTLE = """
+-- A job of key ARGV[1] (weight ARGV[2]) was charged ARGV[3] work and did ARGV[4]: move the
+-- key's finish tag in the queue's fairness state KEYS[1] by the difference, never before V
+-- (FairQueue.settle). Returns 1 if the key had a finish tag.
+local f = redis.call('HGET', KEYS[1], 'f:' .. ARGV[1])
+if not f then return 0 end
+local v = tonumber(redis.call('HGET', KEYS[1], 'v') or '0')
+local c = tonumber(f) + (tonumber(ARGV[4]) - tonumber(ARGV[3])) / tonumber(ARGV[2])
+redis.call('HSET', KEYS[1], 'f:' .. ARGV[1], string.format('%.17g', math.max(c, v)))
+return 1
+"""
 
 RECLAIM = (
     _PRELUDE
@@ -372,7 +515,7 @@ return res
 GIVE_BACK = (
     _PRELUDE
     + """
--- C puts a job it holds back in its queue (at the tail). ARGV[8] job id, ARGV[9] entry,
+-- C puts a job it holds back in its queue (first in its class). ARGV[8] job id, ARGV[9] entry,
 -- ARGV[10] the Requeued event. Returns 1 requeued, 0 not C's job, -1 it already answered.
 local id, entry = ARGV[8], ARGV[9]
 local f = redis.call('HMGET', JP .. id, 'state', 'owner', 'entry', 'queue', 'started')
@@ -387,8 +530,8 @@ return 1
 GO_ON = (
     _PRELUDE
     + """
--- C puts back a job that answered in part, to go on elsewhere (its worker was lost): at the
--- tail of its queue, with what the client has (ARGV[11], the continuation) for the next
+-- C puts back a job that answered in part, to go on elsewhere (its worker was lost): first
+-- in its class, with what the client has (ARGV[11], the continuation) for the next
 -- holder. ARGV[8] job id, ARGV[9] entry, ARGV[10] the Requeued event. Returns 1 put back,
 -- 0 not C's job.
 local id, entry = ARGV[8], ARGV[9]
@@ -430,7 +573,7 @@ local id = ARGV[8]
 local f = redis.call('HMGET', JP .. id, 'state', 'entry', 'queue', 'owner')
 if not f[1] then return 'missing' end
 if f[1] == 'waiting' then
-  drop(f[3], f[2])
+  unwait(id)
   finish(id, 'cancelled')
 elseif f[1] == 'running' and ARGV[9] ~= '1' then
   redis.call('HSET', JP .. id, 'state', 'cancelled')
@@ -443,23 +586,18 @@ return f[1]
 )
 
 COUNTS = """
--- KEYS[1] queue, ARGV[1] group. Returns {entries, pending}: waiting = entries - pending.
-local n = redis.call('XLEN', KEYS[1])
-local p = redis.pcall('XPENDING', KEYS[1], ARGV[1])
-if p.err then return {n, 0} end
-return {n, p[1]}
+-- KEYS: a queue's stream, ready and batch sets. Returns {waiting, running}.
+return {redis.call('ZCARD', KEYS[2]) + redis.call('ZCARD', KEYS[3]), redis.call('XLEN', KEYS[1])}
 """
 
 WAITING = """
--- KEYS[1] the set of queue names, ARGV[1] group. Returns {queue, entries, pending, ...} for
--- every queue in the set (the queues are read by name: this needs a single Redis).
+-- KEYS[1] the set of queue stream names; ARGV[1..3] the stream, ready and batch key prefixes.
+-- Returns {queue, waiting, ...} for every queue in the set (read by name: a single Redis).
 local res = {}
 for _, q in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local n = redis.call('XLEN', q)
-  local p = redis.pcall('XPENDING', q, ARGV[1])
+  local suffix = string.sub(q, #ARGV[1] + 1)
   res[#res + 1] = q
-  res[#res + 1] = n
-  res[#res + 1] = (p.err and 0) or p[1]
+  res[#res + 1] = redis.call('ZCARD', ARGV[2] .. suffix) + redis.call('ZCARD', ARGV[3] .. suffix)
 end
 return res
 """

@@ -1,4 +1,4 @@
-"""The Redis job queue: Redis Streams per (model, endpoint), one consumer group, leases.
+"""The Redis job queue: a fair queue per (model, endpoint), leases in Redis Streams.
 
 Who does what:
 
@@ -6,7 +6,7 @@ Who does what:
   blocking ``XREAD``, resumable from the last entry id) and ``cancel``s it if the client
   goes away.
 * A **consumer** (a router serving its WebSocket workers, or a pull-mode worker) ``claim``s
-  as many jobs as it has free slots (a blocking ``XREADGROUP``), ``publish``es their output,
+  as many jobs as it has free slots, ``publish``es their output,
   ``renew``s its leases every ``renew_interval_s`` and watches ``cancellations``. A final
   event (``Result``, ``Done``, ``Failed``) ends the job and acknowledges it; ``ack`` is for
   jobs that end without one (cancelled ones).
@@ -15,6 +15,14 @@ Who does what:
   published no output (at-least-once), or failed with a 502 if it had (the client already
   saw part of an answer). ``sweep`` does the same for every queue without running anything
   (it puts unstarted jobs back), for routers that serve no model themselves.
+
+**Order**: jobs wait in a sorted set per queue, by start tag between API keys (start-time
+fair queueing, as ``router/dispatch/fair_queue.py`` does in one router; ``Share`` says whom
+a job waits for). Enqueue computes the tag, ``claim`` takes the smallest in one script
+(``TAKE``) and blocks, when there is none, on the queue's wake-up stream from the last entry
+that script saw (``XREAD``: no polling, no wake-up lost in between). The fairness state (the
+virtual time, each key's finish tag, the jobs waiting per key) is in Redis and changes only
+inside the scripts, so every router and pull-mode worker on the Redis shares it.
 
 Delivery is at-least-once: a job may run twice (its first holder vanished before it
 answered) but never answers twice. Publishes are fenced: once a job was taken over or
@@ -29,13 +37,13 @@ default of 5 s is, for the default 2 s). Key names: ``redis_keys``; scripts:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
-import redis.exceptions
 from redis.typing import EncodableT
 
 from shoal.protocol.ids import JobId, ModelName
@@ -47,8 +55,8 @@ from shoal.queue.redis_calls import QueueCalls
 from shoal.queue.redis_keys import (
     CANCEL_SUFFIX,
     CANCELS_TTL_MS,
-    GROUP,
     JOB_TTL_MS,
+    QueueKeys,
     RedisKeys,
     check_name,
 )
@@ -60,13 +68,14 @@ from shoal.queue.redis_support import (
     LEASE_CODES,
     JobGone,
     JobStatus,
+    KeyQueueFull,
     Lease,
     OutageLog,
     QueueCounts,
     QueuedJob,
     QueueFull,
+    Share,
     Sweep,
-    entry_order,
     raise_if_cancelled,
     stream_entries,
     text,
@@ -78,6 +87,7 @@ LEASE_MS = 30_000  # a holder silent this long loses its jobs
 BLOCK_MS = 2_000  # longest single blocking read (must stay under the socket timeout)
 OUTAGE_S = 10.0  # each call rides out a Redis outage this long before raising
 EVENTS_BATCH = 512  # output events read per XREAD
+BATCH_AGING_MS = 30_000  # router/dispatch/fair_queue.BATCH_AGING_S (a test checks they agree)
 
 _KINDS = {
     events.Data: "d",
@@ -147,10 +157,12 @@ class RedisJobQueue:
         outage_s: float = OUTAGE_S,
         outage: OutageLog | None = None,
         resume_attempts: int = 0,
+        batch_aging_ms: int = BATCH_AGING_MS,
     ) -> None:
         """``resume_attempts``: a job whose holder stopped renewing mid-answer goes on
         elsewhere this many times (from its trail), else it fails."""
         self.keys = RedisKeys(prefix)
+        self.batch_aging_ms = batch_aging_ms
         self.consumer = check_name("consumer name", consumer)
         self.max_len = max_len  # per (model, endpoint), waiting + running; 0: unbounded
         self.lease_ms = lease_ms
@@ -165,6 +177,7 @@ class RedisJobQueue:
         self._recovery = Recovery(self.calls, self.keys, self.consumer, lease_ms, resume_attempts)
         self._counts = redis.register_script(redis_scripts.COUNTS)
         self._waiting = redis.register_script(redis_scripts.WAITING)
+        self._settle = redis.register_script(redis_scripts.SETTLE)
 
     @property
     def renew_interval_s(self) -> float:
@@ -183,19 +196,28 @@ class RedisJobQueue:
 
     # ------------------------------------------------------------ client side
 
-    async def enqueue(self, job: QueuedJob) -> bool:
-        """Queue ``job``; False if a job with its id is already queued (nothing changes).
+    async def enqueue(self, job: QueuedJob, share: Share | None = None) -> bool:
+        """Queue ``job`` for ``share``'s key; False if a job with its id is already queued
+        (nothing changes).
 
-        Raises ``QueueFull`` when its queue already holds ``max_len`` waiting or running jobs.
+        Raises ``QueueFull`` when its queue already holds ``max_len`` waiting or running
+        jobs, ``KeyQueueFull`` when the key has ``share.max_queued`` jobs waiting (anywhere).
         """
         check_name("job id", job.id)
-        queue = self.keys.queue(job.model, job.endpoint)
-        keys = [self.keys.job(job.id), queue, self.keys.queues]
+        share = share or Share()
+        q = self.keys.queue_keys(job.model, job.endpoint)
+        keys = [self.keys.job(job.id), q.stream, self.keys.queues, q.ready, q.batch, q.aging]
+        keys += [q.fair, q.wake, self.keys.key_waiting]
         args: list[EncodableT] = [self.max_len, JOB_TTL_MS, job.model, job.endpoint.value]
         args += ["1" if job.stream else "0", orjson.dumps(dict(job.body)), job.id]
+        args += [share.tenant, repr(float(share.weight)), "batch" if share.batch else "interactive"]
+        args += [repr(float(share.work)), "fair" if share.fair else "fifo"]
+        args.append(-1 if share.max_queued is None else share.max_queued)
         code, depth = await self.calls.run("ENQUEUE", keys, args)
         if code == -1:
             raise QueueFull(job.model, job.endpoint, int(depth), self.max_len)
+        if code == -2:
+            raise KeyQueueFull(share.tenant, int(depth), share.max_queued or 0)
         log.debug("job %s model=%s queued (depth %s, new=%s)", job.id, job.model, depth, code)
         return bool(code == 1)
 
@@ -260,26 +282,52 @@ class RedisJobQueue:
 
     async def depth(self, model: ModelName, endpoint: Endpoint) -> int:
         """Jobs waiting or running for (model, endpoint): what ``max_len`` bounds."""
-        key = self.keys.queue(model, endpoint)
-        return int(await self.calls.retry(lambda: self._redis.xlen(key), "depth"))
+        counts = await self.counts(model, endpoint)
+        return counts.waiting + counts.running
 
     async def counts(self, model: ModelName, endpoint: Endpoint) -> QueueCounts:
-        keys = [self.keys.queue(model, endpoint)]
-        entries, pending = await self.calls.retry(
-            lambda: self._counts(keys=keys, args=[GROUP]), "counts"
-        )
-        return QueueCounts(waiting=int(entries) - int(pending), running=int(pending))
+        q = self.keys.queue_keys(model, endpoint)
+        keys = [q.stream, q.ready, q.batch]
+        waiting, running = await self.calls.retry(lambda: self._counts(keys=keys), "counts")
+        return QueueCounts(waiting=int(waiting), running=int(running))
 
     async def waiting(self) -> dict[tuple[ModelName, Endpoint], int]:
         """Jobs waiting (not yet claimed) in every queue under the prefix, in one call
         (queues listed by the ``queues`` set, never ``SCAN``)."""
         keys = [self.keys.queues]
-        flat = await self.calls.retry(lambda: self._waiting(keys=keys, args=[GROUP]), "waiting")
+        args = self.keys.queue_kind_prefixes()[:3]
+        flat = await self.calls.retry(lambda: self._waiting(keys=keys, args=args), "waiting")
         found: dict[tuple[ModelName, Endpoint], int] = {}
-        for queue, entries, pending in zip(flat[::3], flat[1::3], flat[2::3], strict=True):
+        for queue, n in zip(flat[::2], flat[1::2], strict=True):
             if (key := self.keys.parse_queue(text(queue))) is not None:
-                found[key] = int(entries) - int(pending)
+                found[key] = int(n)
         return found
+
+    async def waiting_by_key(self) -> dict[str, int]:
+        """Jobs waiting per API key over every queue (what ``Share.max_queued`` bounds)."""
+        raw = await self.calls.retry(
+            lambda: self._redis.hgetall(self.keys.key_waiting), "waiting by key"
+        )
+        return {text(k): int(v) for k, v in raw.items() if int(v) > 0}
+
+    async def positions(self, job_ids: Sequence[JobId]) -> dict[JobId, int]:
+        """How many jobs go before each of these waiting jobs, in one script call; a job
+        that no longer waits is left out."""
+        if not job_ids:
+            return {}
+        args: list[EncodableT] = [self.batch_aging_ms, *job_ids]
+        places = await self.calls.run("POSITIONS", [], args)
+        return {job_id: int(p) for job_id, p in zip(job_ids, places, strict=True) if int(p) >= 0}
+
+    async def settle(
+        self, model: ModelName, endpoint: Endpoint, share: Share, actual: float
+    ) -> None:
+        """A job of ``share`` ended having done ``actual`` work where ``share.work`` was
+        charged: its key's next jobs in that queue start that much later (or earlier)."""
+        keys = [self.keys.queue_keys(model, endpoint).fair]
+        args: list[EncodableT] = [share.tenant, repr(float(share.weight))]
+        args += [repr(float(share.work)), repr(float(actual))]
+        await self.calls.retry(lambda: self._settle(keys=keys, args=args), "settle")
 
     # ------------------------------------------------------------ consumer side
 
@@ -289,49 +337,42 @@ class RedisJobQueue:
         count: int,
         block_ms: int | None = None,
     ) -> list[Claimed]:
-        """Take up to ``count`` waiting jobs from these queues, oldest first (by entry id:
-        to the millisecond across queues, exactly within one).
+        """Take up to ``count`` waiting jobs from these queues: in each, by start tag
+        (interactive and aged batch work first); across queues, the head that waited
+        longest.
 
         Waits up to ``block_ms`` (0: not at all) for one to arrive; an empty list means none
-        came. A claim cancelled while it waits may leave jobs delivered to this consumer
+        came. A claim cancelled while its script runs may leave jobs taken for this consumer
         but not handed over: they run elsewhere after the lease (``reclaim``).
         """
         raise_if_cancelled()
         if count <= 0 or not keys:
             return []
-        queues = list(dict.fromkeys(self.keys.queue(m, e) for m, e in keys))
+        queues = [self.keys.queue_keys(m, e) for m, e in dict.fromkeys(keys)]
         block = self.block_ms if block_ms is None else block_ms
-        taken = await self.calls.run("TAKE", queues, [count])
-        if not taken and block > 0:
-            taken = await self._wait_and_claim(queues, count, block)
+        deadline = time.monotonic() + block / 1000
+        while True:
+            taken, cursors = await self._take(queues, count)
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if taken or left_ms <= 0 or not await self._wait_wake(queues, cursors, left_ms):
+                break
         raise_if_cancelled()  # jobs taken here are recovered after the lease, as documented
         return [self._claimed(row) for row in taken]
 
-    async def _wait_and_claim(self, queues: list[str], count: int, block: int) -> list[Any]:
-        self._check_block(block)
-        streams: dict[Any, Any] = dict.fromkeys(queues, ">")
-        try:
-            reply = await self.calls.retry(
-                lambda: self._redis.xreadgroup(
-                    GROUP, self.consumer, streams, count=count, block=block
-                ),
-                "claim",
-            )
-        except redis.exceptions.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            return []  # a queue was deleted under us; the next claim creates it again
-        entries = sorted(
-            ((q, entry_id, fields) for q, entry_id, fields in stream_entries(reply)),
-            key=lambda e: entry_order(e[1]),
+    async def _take(self, queues: Sequence[QueueKeys], count: int) -> tuple[list[Any], list[str]]:
+        keys = [self.keys.key_waiting] + [k for q in queues for k in q.all()]
+        taken, cursors = await self.calls.run("TAKE", keys, [count, self.batch_aging_ms])
+        return list(taken), [text(c) for c in cursors]
+
+    async def _wait_wake(self, queues: Sequence[QueueKeys], cursors: list[str], ms: int) -> bool:
+        """Block until a job starts to wait in one of ``queues`` after ``cursors`` (the
+        wake-up ids the last ``TAKE`` saw), or ``ms`` pass; False if none did."""
+        self._check_block(ms)
+        streams: dict[Any, Any] = {q.wake: c for q, c in zip(queues, cursors, strict=True)}
+        reply = await self.calls.retry(
+            lambda: self._redis.xread(streams, count=1, block=ms), "claim"
         )
-        if not entries:
-            return []
-        args: list[EncodableT] = [count]
-        for q, entry_id, fields in entries:
-            args += [q, entry_id, text(fields.get("job", ""))]
-        result: list[Any] = await self.calls.run("CLAIM", [], args)
-        return result
+        return bool(reply)
 
     def _claimed(self, row: Sequence[Any]) -> Claimed:
         job_id, _, entry_id, attempt, model, endpoint, stream, body, seq, resume = row
@@ -408,7 +449,7 @@ class RedisJobQueue:
         return bool(code == 1)
 
     async def requeue(self, claimed: Claimed, reason: str) -> bool:
-        """Give a held job back to its queue (at the tail) for another consumer to run.
+        """Give a held job back to its queue (first in its class) for another consumer to run.
 
         False if it had already published output (publish ``Failed`` instead) or is no
         longer this consumer's.
@@ -421,7 +462,7 @@ class RedisJobQueue:
 
     async def go_on(self, claimed: Claimed, reason: str, resume: Continuation) -> bool:
         """Give back a held job that answered in part, to go on from ``resume`` on the next
-        holder (at the tail of its queue). False if it is no longer this consumer's."""
+        holder (first in its class). False if it is no longer this consumer's."""
         args: list[EncodableT] = [claimed.job.id, claimed.entry_id]
         args.append(events.encode(Requeued(reason)))
         args.append(encode_resume(resume, claimed.resumes + 1))

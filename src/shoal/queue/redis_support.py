@@ -138,6 +138,16 @@ class QueueFull(Exception):
         self.limit = limit
 
 
+class KeyQueueFull(Exception):
+    """An API key has ``max_queued`` jobs waiting already (over every router): 429."""
+
+    def __init__(self, tenant: str, waiting: int, cap: int) -> None:
+        super().__init__(f"key {tenant} has {waiting} requests waiting; its max-queued is {cap}")
+        self.tenant = tenant
+        self.waiting = waiting
+        self.cap = cap
+
+
 class JobGone(Exception):
     """The job's record is gone from Redis (it expired, or never existed under this prefix)."""
 
@@ -177,6 +187,21 @@ class QueuedJob:
     endpoint: Endpoint
     stream: bool
     body: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """Whom a job waits for, as the queue's fair scheduling needs it (``router/dispatch/
+    fair_queue.Tenant`` and ``Job.work``, in Redis): the API key (``tenant``), its weight,
+    whether it waits as batch work, its estimated work, whether the router schedules
+    fairly (else first in, first out) and how many of the key's jobs may wait."""
+
+    tenant: str = "anonymous"
+    weight: float = 1.0
+    batch: bool = False
+    work: float = 1.0
+    fair: bool = True
+    max_queued: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,8 +245,3 @@ def stream_entries(reply: Any) -> Iterator[tuple[str, str, dict[str, Any]]]:
             entries = entries[0]
         for entry_id, fields in entries:
             yield text(stream), text(entry_id), {text(k): v for k, v in (fields or {}).items()}
-
-
-def entry_order(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)

@@ -87,8 +87,18 @@ class JobResponse(Response):
         job = self.job
         positions = self.dispatcher.queue_positions(job) if job.stream else None
         if positions is not None:
-            await self._stream_after_queue(send, positions)
-            return
+            # Its first place is known before the headers leave, so a refusal that comes
+            # only then (a key over its cap, with a shared Redis queue) is still a 429.
+            try:
+                place = await anext(positions, None)
+            except RouterError as exc:
+                response = error_response(exc)
+                self.status_code = response.status_code
+                await response(scope, _no_receive, send)
+                return
+            if place is not None:
+                await self._stream_after_queue(send, place, positions)
+                return
         try:
             await self.dispatcher.wait_assigned(job)
             first = await self._next_answer()
@@ -129,11 +139,14 @@ class JobResponse(Response):
         self.status_code = status
         await send({"type": "http.response.start", "status": status, "headers": headers})
 
-    async def _stream_after_queue(self, send: Send, positions: AsyncIterator[int]) -> None:
+    async def _stream_after_queue(
+        self, send: Send, first_place: int, positions: AsyncIterator[int]
+    ) -> None:
         """A stream that has to wait starts at once and says where it stands in the queue
         (SSE comments, which clients ignore); its worker, unknown when the headers left,
         follows in a comment too. Refused after all (past ``--max-wait``): an error event."""
         await self._start(send, 200, _SSE_HEADERS)
+        await _send_more(send, f": queued position={first_place}\n\n".encode())
         try:
             async for place in positions:
                 await _send_more(send, f": queued position={place}\n\n".encode())

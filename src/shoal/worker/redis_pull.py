@@ -9,16 +9,16 @@ this worker's slots::
                     │  └──────▶ PAUSED  (the backend cannot serve: loading, restarting, failed)
                     └── backoff ── REDIS_DOWN (a claim failed: Redis unreachable)
 
-CLAIMING is a blocking ``XREADGROUP`` for as many jobs as there are free slots, for every
-(model, endpoint) this worker serves. FULL and PAUSED wait on an event (a job ended, the
-backend or models changed), never polling. Each job runs in the ``JobRunner``; its output
-comes back here (this class is its ``JobSink``) and is published in one round trip per batch
-(whatever piled up while the previous publish was in flight). Leases are renewed every
-``renew_interval_s``; cancellations stop the job in the runner. A retryable failure of a job
-that published nothing goes back to its queue for any worker to run. A periodic ``sweep``
-puts back the jobs of holders that died (a killed pull worker, a dead router). Publishing,
-renewals, cancellations and sweeps are ``queue.redis_consumer.ConsumerLoops``, shared with
-the router's ``Holder``.
+CLAIMING is a blocking ``RedisJobQueue.claim`` (the routers' fair order, by start tag) for as
+many jobs as there are free slots, for every (model, endpoint) this worker serves. FULL and
+PAUSED wait on an event (a job ended, the backend or models changed), never polling. Each job
+runs in the ``JobRunner``; its output comes back here (this class is its ``JobSink``) and is
+published in one round trip per batch (whatever piled up while the previous publish was in
+flight). Leases are renewed every ``renew_interval_s``; cancellations stop the job in the
+runner. A retryable failure of a job that published nothing goes back to its queue for any
+worker to run. A periodic ``sweep`` puts back the jobs of holders that died (a killed pull
+worker, a dead router). Publishing, renewals, cancellations and sweeps are
+``queue.redis_consumer.ConsumerLoops``, shared with the router's ``Holder``.
 
 During a Redis outage the jobs held keep running; a publish that still fails after the
 queue's ``outage_s`` stops its job here (the sweep recovers it once Redis is back).

@@ -1,7 +1,8 @@
 """The Redis queue's consumer inside a router: its WebSocket workers run jobs from Redis.
 
 One claim loop takes as many jobs as this router's workers have free slots, for every
-(model, endpoint) they serve (a blocking ``XREADGROUP``; when no slot is free it waits for
+(model, endpoint) they serve (a blocking ``RedisJobQueue.claim``, in fair order by start
+tag; when no slot is free it waits for
 one to free or a worker to join, without polling). Each job runs on this router's workers
 through ``Running``, as in-process; the job's output stream says which worker (``Assigned``
 with the worker's id, for the ``x-shoal-worker`` header of whichever router the client

@@ -43,8 +43,8 @@ class Dispatcher(Protocol):
     def queue_positions(self, job: Job) -> AsyncIterator[int] | None:
         """While ``job`` waits: how many jobs will go before it, at once, whenever that
         changes and at least every 2 s; it ends when a worker takes the job and raises the
-        503 of ``wait_assigned`` past ``--max-wait``. None when the job does not wait here
-        or its place is not known (with Redis)."""
+        503 of ``wait_assigned`` past ``--max-wait`` (and, with Redis, the enqueue's refusal,
+        a 429, before its first place). None when the job does not wait."""
         ...
 
     def settle(self, job: Job, tokens: int) -> None:
@@ -60,7 +60,8 @@ class Dispatcher(Protocol):
         ...
 
     def waiting_by_key(self) -> Mapping[str, int]:
-        """Requests waiting in this router per tenant (API key id); empty with Redis."""
+        """Requests waiting per tenant (API key id): in this router, or with Redis in every
+        router on it (a snapshot a heartbeat interval old)."""
         ...
 
     def remote_workers(self) -> list[RemoteWorker]:

@@ -15,12 +15,23 @@ reads the others', so any router accepts a request for a model a worker anywhere
 (and ``/health``, ``/v1/models`` count every router's workers). ``queue_depths`` is the
 jobs waiting in Redis for each model, whichever router they were sent to, from a snapshot
 ``run_depths`` takes every heartbeat interval in one script call (``/v1/models``
-``queued`` and the ``shoal_queue_depth`` gauge read it, without a Redis round trip).
+``queued`` and the ``shoal_queue_depth`` gauge read it, without a Redis round trip), with
+the jobs waiting per API key (``waiting_by_key``: every router's, for the per-key gauge and
+the dashboard).
+
+Fair scheduling: each job is enqueued with its key's share (``Share``: the tenant, weight,
+class, estimated work, ``--scheduling`` and ``max_queued``), and Redis orders the waiting
+jobs by start tag for every router and pull-mode worker (``queue.redis_streams``); a key
+over its ``max_queued`` jobs waiting anywhere gets the 429 ``key_queue_full``. ``settle``
+corrects the key's finish tag in Redis when a job ends. ``run_positions`` reads the places
+of this router's waiting jobs in one script call every ``POSITIONS_INTERVAL_S`` (only while
+some wait), for the ``: queued position=N`` comments and ``queue_position`` of async jobs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -40,8 +51,10 @@ from shoal.queue.redis_streams import RedisJobQueue
 from shoal.queue.redis_support import (
     REDIS_DOWN,
     JobGone,
+    KeyQueueFull,
     OutageLog,
     QueuedJob,
+    Share,
     raise_if_cancelled,
 )
 from shoal.queue.redis_support import QueueFull as RedisQueueFull
@@ -49,6 +62,7 @@ from shoal.queue.redis_tail import OutputTail
 from shoal.router.dispatch import answers
 from shoal.router.dispatch.answers import UnavailableReason
 from shoal.router.dispatch.directory import RemoteWorker, WorkerDirectory
+from shoal.router.dispatch.fair_queue import Priority
 from shoal.router.dispatch.holder import Holder
 from shoal.router.dispatch.job import Job, JobState, Submission
 from shoal.router.dispatch.output import JobOutput
@@ -61,6 +75,13 @@ from shoal.router.workers import Registry
 log = logging.getLogger(__name__)
 
 MIN_LEASE_MS = 3_000
+POSITIONS_INTERVAL_S = 0.5
+"""How often the places of this router's waiting jobs are read from Redis (one call)."""
+FIRST_PLACE_AFTER_S = 0.25
+"""A job still waiting this long after it was queued hears its place (before, it may be
+claimed at once by a free worker anywhere, and would not have waited)."""
+QUEUE_REPORT_S = 2.0
+"""A waiting stream hears its place at least this often (as ``memory.QUEUE_REPORT_S``)."""
 
 
 def consumer_name() -> str:
@@ -139,6 +160,10 @@ class RedisDispatcher:
         self._followed: dict[JobId, _Followed] = {}
         self._tg: asyncio.TaskGroup | None = None
         self._depths: dict[ModelName, int] = {}
+        self._by_key: dict[str, int] = {}
+        self._places: dict[JobId, int] = {}  # this router's waiting jobs: their places
+        self._places_read = asyncio.Event()  # set (and replaced) after every read
+        self._some_wait = asyncio.Event()  # a job was queued: positions are worth reading
 
     async def close(self) -> None:
         """Close the Redis client (after ``run()`` ended)."""
@@ -162,6 +187,7 @@ class RedisDispatcher:
                     tg.create_task(loop())
                 tg.create_task(self.holder.run_adoptions())
                 tg.create_task(self.run_depths())
+                tg.create_task(self.run_positions())
                 await asyncio.Event().wait()
             finally:
                 self._tg = None
@@ -183,11 +209,37 @@ class RedisDispatcher:
         last one taken before it went)."""
         return self._depths
 
+    async def run_positions(self) -> None:
+        """Read the places of this router's waiting jobs in one script call every
+        ``POSITIONS_INTERVAL_S`` while any wait, and at once when one is queued; idle (no
+        call) while none waits."""
+        while True:
+            waiting = [
+                f.job.id
+                for f in self._followed.values()
+                if f.job.state is JobState.QUEUED and f.enqueued.done()
+            ]
+            if not waiting:
+                self._some_wait.clear()
+                await self._some_wait.wait()
+                continue
+            with contextlib.suppress(*REDIS_DOWN):  # logged by the call; the last places stay
+                self._places = await self.rqueue.positions(waiting)
+            raise_if_cancelled()
+            self._places_changed()
+            # Again after the interval, or at once for a job queued meanwhile (its first
+            # place is reported without delay; jobs queued during a read share the next).
+            self._some_wait.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(POSITIONS_INTERVAL_S):
+                    await self._some_wait.wait()
+
     async def run_depths(self) -> None:
         """Count the jobs waiting in every queue every heartbeat interval (one script call)."""
         while True:
             try:
                 waiting = await self.rqueue.waiting()
+                self._by_key = await self.rqueue.waiting_by_key()
             except REDIS_DOWN:
                 pass  # the outage is logged by the call; the last snapshot stays
             else:
@@ -201,9 +253,7 @@ class RedisDispatcher:
     # ------------------------------------------------------------ client side
 
     def submit(self, ask: Submission) -> Job:
-        """Jobs wait in Redis in arrival order: fair shares between keys are not shared
-        through Redis yet, so ``ask.tenant`` is only recorded (its weight, class and
-        ``max_queued`` apply to in-process queues only)."""
+        """The job waits in Redis for ``ask.tenant``'s share (``_enqueue``)."""
         if self._tg is None:
             raise Unavailable("The router is starting or stopping; retry in a moment.")
         remote = self.directory.remote
@@ -240,7 +290,18 @@ class RedisDispatcher:
         job = followed.job
         queued = QueuedJob(job.id, job.model, job.endpoint, job.stream, job.body)
         try:
-            await self.rqueue.enqueue(queued)
+            await self.rqueue.enqueue(queued, self._share(job))
+        except KeyQueueFull as exc:
+            log.info(
+                "job %s model=%s key=%s refused: %d of its jobs waiting, its max-queued is %d",
+                job.id,
+                job.model,
+                job.tenant.id,
+                exc.waiting,
+                exc.cap,
+            )
+            _refuse(followed.enqueued, answers.key_queue_full(job.model, exc.cap))
+            return False
         except RedisQueueFull as exc:
             _refuse(
                 followed.enqueued, QueueFull(str(exc), retry_after=answers.RETRY_AFTER_QUEUE_FULL_S)
@@ -256,8 +317,15 @@ class RedisDispatcher:
             )
             return False
         followed.enqueued.set_result(None)
-        log.info("job %s model=%s queued in Redis", job.id, job.model)
+        self._some_wait.set()
+        log.info("job %s model=%s key=%s queued in Redis", job.id, job.model, job.tenant.id)
         return True
+
+    def _share(self, job: Job) -> Share:
+        tenant = job.tenant
+        batch = tenant.priority is Priority.BATCH
+        fair = self.settings.scheduling == "fair"
+        return Share(tenant.id, tenant.weight, batch, job.work, fair, tenant.max_queued)
 
     def _on_event(self, job: Job, event: events.JobEvent) -> None:
         match event:
@@ -267,6 +335,7 @@ class RedisDispatcher:
                 if job.state is JobState.QUEUED or (worker and not job.state.finished):
                     job.worker_id = WorkerId(worker) if worker else None
                 self._output.assigned(job, f"{consumer} (attempt {attempt})")
+                self._places_changed()  # its queue_positions ends
             case events.Requeued(reason=reason) if job.state is JobState.STREAMING:
                 self._output.going_on(job, reason)  # its worker was lost mid-answer
             case events.Requeued(reason=reason):
@@ -303,13 +372,56 @@ class RedisDispatcher:
         return True
 
     def settle(self, job: Job, tokens: int) -> None:
-        return  # arrival order: nothing to correct
+        if self._tg is not None and self.settings.scheduling == "fair":
+            self._tg.create_task(self._settle(job, tokens))
+
+    async def _settle(self, job: Job, tokens: int) -> None:
+        try:
+            await self.rqueue.settle(job.model, job.endpoint, self._share(job), tokens)
+        except REDIS_DOWN as exc:
+            log.warning("job %s: its key's share not corrected, Redis unreachable: %s", job.id, exc)
 
     def queue_positions(self, job: Job) -> AsyncIterator[int] | None:
-        return None  # a place in Redis's shared queue is not tracked yet
+        return self._positions(job) if job.state is JobState.QUEUED else None
+
+    async def _positions(self, job: Job) -> AsyncIterator[int]:
+        """The job's place while it waits, as ``run_positions`` reads it: when it changes
+        and every ``QUEUE_REPORT_S``; past ``--max-wait`` the 503 of ``wait_assigned``
+        (which also raises the enqueue's refusal, a 429, as soon as it is known)."""
+        followed = self._followed.get(job.id)
+        if followed is not None:
+            await asyncio.wait([followed.enqueued])
+            if followed.enqueued.exception() is not None:
+                await self.wait_assigned(job)  # raises the refusal
+        # Every job passes through Redis: one a free worker takes at once does not count
+        # as waiting (its stream starts with the worker's header, as in one router).
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(FIRST_PLACE_AFTER_S):
+                await job.assigned.wait()
+        deadline = job.queued_at + self.settings.max_wait
+        last: int | None = None
+        reported = 0.0
+        while job.state is JobState.QUEUED:
+            now = time.monotonic()
+            place = self._places.get(job.id)
+            if place is not None and (place != last or now - reported >= QUEUE_REPORT_S):
+                yield place
+                last, reported = place, time.monotonic()
+            if now >= deadline:
+                await self.wait_assigned(job)  # withdraws it and raises the 503
+                return
+            read = self._places_read
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(QUEUE_REPORT_S, deadline - now)):
+                    await read.wait()
+
+    def _places_changed(self) -> None:
+        read, self._places_read = self._places_read, asyncio.Event()
+        read.set()
 
     def waiting_by_key(self) -> Mapping[str, int]:
-        return {}  # not tracked per key in Redis yet
+        """Every router's waiting jobs per key, from ``run_depths``'s last snapshot."""
+        return self._by_key
 
     def cancel(self, job: Job, why: str) -> None:
         if job.state.finished:

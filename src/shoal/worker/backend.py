@@ -8,6 +8,7 @@ case the request's model is swapped for the backend's and the replies' back agai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from shoal.protocol.messages import (
     JobStart,
 )
 from shoal.worker.aggregate import aggregate
+from shoal.worker.pinning import Pin, SlotPinning
 from shoal.worker.sink import JobSink
 
 log = logging.getLogger(__name__)
@@ -93,11 +95,18 @@ class Backend:
     """One aiohttp session to the backend, shared by every job of this worker."""
 
     def __init__(
-        self, target: BackendTarget, session: aiohttp.ClientSession, base_url: Callable[[], str]
+        self,
+        target: BackendTarget,
+        session: aiohttp.ClientSession,
+        base_url: Callable[[], str],
+        pinning: SlotPinning | None = None,
     ) -> None:
+        """``pinning``: our own llama-server's slots, chosen per job (None for a server we
+        attach to, whose slots we do not know)."""
         self.target = target
         self.session = session
         self.base_url = base_url  # llama-server's port may change when it restarts
+        self.pinning = pinning
 
     def _collects(self, job: JobStart) -> bool:
         """Whether this job is streamed from the backend and assembled here."""
@@ -107,8 +116,13 @@ class Backend:
             and (job.endpoint is not Endpoint.EMBEDDINGS)
         )
 
-    def _request_body(self, job: JobStart) -> bytes:
+    def _pin(self, job: JobStart) -> contextlib.AbstractAsyncContextManager[Pin | None]:
+        return self.pinning.pin(job) if self.pinning else contextlib.nullcontext()
+
+    def _request_body(self, job: JobStart, pin: Pin | None = None) -> bytes:
         body: dict[str, Any] = dict(job.body)
+        if pin is not None:
+            body["id_slot"] = pin.slot
         if self.target.backend_model is not None:
             body["model"] = self.target.backend_model
         if self._collects(job):
@@ -133,9 +147,12 @@ class Backend:
         url = self.base_url() + job.endpoint.path
         progress = _Progress()
         try:
-            async with self.session.post(
-                url, data=self._request_body(job), headers=self.target.headers
-            ) as resp:
+            async with (
+                self._pin(job) as pin,
+                self.session.post(
+                    url, data=self._request_body(job, pin), headers=self.target.headers
+                ) as resp,
+            ):
                 if resp.status != 200:
                     raw = await resp.read()
                     out.send(

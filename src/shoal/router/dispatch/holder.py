@@ -48,10 +48,15 @@ log = logging.getLogger(__name__)
 class Holder:
     """Claims jobs for this router's workers and relays their output to Redis."""
 
-    def __init__(self, queue: RedisJobQueue, registry: Registry, max_requeues: int) -> None:
+    def __init__(
+        self, queue: RedisJobQueue, registry: Registry, max_requeues: int, *, prefix: bool = True
+    ) -> None:
+        """``prefix``: place jobs by the prefixes workers hold (``--routing prefix``)."""
         self.queue = queue
         self.registry = registry
-        self.running: Running[Claimed] = Running(registry, self, max_requeues, self.kick)
+        self.running: Running[Claimed] = Running(
+            registry, self, max_requeues, self.kick, prefix=prefix
+        )
         self._unplaced: deque[Claimed] = deque()  # claimed, no free worker for it yet
         self._capacity = asyncio.Event()
         self.loops = ConsumerLoops(queue, self)

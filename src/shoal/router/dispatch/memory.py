@@ -54,7 +54,9 @@ class MemoryDispatcher:
         # One queue per (model, endpoint): a queued embeddings job never holds up chat jobs.
         self._queues: dict[tuple[ModelName, Endpoint], FairQueue[Job]] = {}
         self._moved = asyncio.Event()  # set (and replaced) whenever a queue changes
-        self._running: Running[Job] = Running(registry, self, settings.max_requeues, self.pump)
+        self._running: Running[Job] = Running(
+            registry, self, settings.max_requeues, self.pump, prefix=settings.routing == "prefix"
+        )
         self.queue_backend = "memory"
         self.workers = WorkerSide(registry, self._running, self.pump)
 

@@ -115,7 +115,9 @@ class RedisDispatcher:
             outage=self.outage,
         )
         self.tail = OutputTail(redis, settings.redis_prefix, self.name, outage=self.outage)
-        self.holder = Holder(self.rqueue, registry, settings.max_requeues)
+        self.holder = Holder(
+            self.rqueue, registry, settings.max_requeues, prefix=settings.routing == "prefix"
+        )
         self.directory = WorkerDirectory(
             redis,
             settings.redis_prefix,

@@ -6,7 +6,8 @@ request and the front of the router's queue; with Redis, to the job's output str
 into Redis. The rules live here once:
 
 * a job goes to the worker ``pick_worker`` chooses (``scheduler.py``), and holds one of its
-  slots until it ends;
+  slots until it ends; with ``prefix`` routing its prefix chain (``protocol/prefix.py``,
+  computed here once per placement) is matched against what each worker's slots hold;
 * a job that produced no output yet runs again elsewhere when its worker fails it as
   retryable or is lost, at most ``--max-requeues`` times; past that, or once it answered in
   part, it fails (a lost worker: 502 ``worker_lost``);
@@ -24,13 +25,24 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from shoal.protocol.ids import JobId
-from shoal.protocol.messages import JobCancel, JobDone, JobFailed, JobResult, JobStart
+from shoal.protocol.messages import (
+    Endpoint,
+    JobCancel,
+    JobDone,
+    JobFailed,
+    JobResult,
+    JobStart,
+)
+from shoal.protocol.prefix import held_blocks, prefix_chain
 from shoal.queue.events import Data, OutputEvent, from_worker, worker_lost
 from shoal.router.dispatch.job import Job, JobState
 from shoal.router.dispatch.scheduler import pick_worker
 from shoal.router.workers import Registry, WorkerConnection
 
 log = logging.getLogger(__name__)
+
+PREFIXED = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
+"""The endpoints whose prompt a llama-server slot keeps."""
 
 T = TypeVar("T")
 T_contra = TypeVar("T_contra", contravariant=True)
@@ -68,9 +80,13 @@ class Running(Generic[T]):
         sink: Sink[T],
         max_requeues: int,
         capacity: Callable[[], None],
+        *,
+        prefix: bool = True,
     ) -> None:
-        """``capacity`` is called whenever a slot may have freed."""
+        """``capacity`` is called whenever a slot may have freed; ``prefix``: route by the
+        prefixes workers hold (``--routing prefix``), else least loaded."""
         self.registry = registry
+        self._prefix = prefix
         self._sink = sink
         self._max_requeues = max_requeues
         self._capacity = capacity
@@ -83,10 +99,14 @@ class Running(Generic[T]):
 
     def place(self, ticket: T, job: Job, body: dict[str, object], attempt: int) -> bool:
         """Start ``job`` on the worker the scheduler picks; False if none has a free slot."""
-        worker_id = pick_worker((w.load() for w in self.registry), job.model, job.endpoint)
+        prefix = prefix_chain(job.model, body) if self._prefix and job.endpoint in PREFIXED else ()
+        loads = [w.load() for w in self.registry]
+        worker_id = pick_worker(loads, job.model, job.endpoint, prefix)
         worker = self.registry.get(worker_id) if worker_id else None
         if worker is None:
             return False
+        job.prefix = prefix
+        worker.note_prefix(prefix)
         job.worker_id = worker.id
         job.transition(JobState.ASSIGNED, f"worker {worker.id}")
         worker.running[job.id] = job
@@ -103,13 +123,15 @@ class Running(Generic[T]):
             )
         )
         log.info(
-            "job %s model=%s (attempt %d) -> worker %s (%d/%d slots)",
+            "job %s model=%s (attempt %d) -> worker %s (%d/%d slots, %d/%d prefix blocks held)",
             job.id,
             job.model,
             attempt,
             worker.id,
             len(worker.running),
             worker.slots,
+            held_blocks(prefix, next(w.cached for w in loads if w.id == worker.id)),
+            len(prefix),
         )
         return True
 

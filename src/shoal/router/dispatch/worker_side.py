@@ -18,6 +18,7 @@ from typing import Any
 from shoal.protocol.ids import JobId
 from shoal.protocol.messages import (
     BackendState,
+    CacheChanged,
     Chunks,
     Heartbeat,
     JobCancel,
@@ -99,6 +100,8 @@ class WorkerSide:
             case Heartbeat(state=state):
                 worker.on_heartbeat(msg)
                 self._on_state(worker, state, worker.detail)
+            case CacheChanged(blocks=blocks):
+                worker.set_cached(blocks)
             case ModelsChanged(models=models):
                 worker.set_models(models)
                 self._changed()

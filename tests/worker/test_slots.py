@@ -6,7 +6,14 @@ import asyncio
 
 import pytest
 
-from shoal.worker.slots import TOKEN_BLOCK, Slot, SlotTable, choose_slot, token_chain
+from shoal.worker.slots import (
+    TOKEN_BLOCK,
+    Slot,
+    SlotTable,
+    choose_slot,
+    plan_slot,
+    token_chain,
+)
 
 A = token_chain(list(range(10 * TOKEN_BLOCK)))
 B = token_chain(list(range(1000, 1000 + 10 * TOKEN_BLOCK)))
@@ -55,3 +62,47 @@ async def _hold_once(
 ) -> tuple[int, int]:
     async with table.hold(prompt, content) as got:
         return got
+
+
+@pytest.mark.parametrize(
+    ("slots", "expected"),
+    [
+        ([Slot(0, A), Slot(1, B)], (0, 0.0)),  # its slot is idle: take it now
+        ([Slot(0, A, busy=True), Slot(1, B)], (1, len(A) * TOKEN_BLOCK * 0.01)),  # worth waiting
+        ([Slot(0, A[:2], busy=True), Slot(1, B)], (1, 0.0)),  # too little to wait for
+        ([Slot(0, A, busy=True), Slot(1, A[:9])], (1, 0.0)),  # the idle one holds nearly as much
+        ([Slot(0, A, busy=True), Slot(1, busy=True)], (None, len(A) * TOKEN_BLOCK * 0.01)),
+    ],
+)
+def test_plan_slot(slots: list[Slot], expected: tuple[int | None, float]) -> None:
+    assert plan_slot(slots, A_THEN_MORE, 0.01) == expected
+
+
+async def test_a_job_waits_for_the_busy_slot_computing_its_prefix() -> None:
+    """Two requests of one tenant together: the second reuses the first's slot once free,
+    rather than compute the same prefix again in another slot."""
+    table = SlotTable(2, lambda _: None)
+    table.s_per_token = 10.0  # recomputing would take ages: wait as long as it takes
+    async with table.hold(A, ()) as (first, _):
+        second = asyncio.create_task(_hold_once(table, A_THEN_MORE, ()))
+        await asyncio.sleep(0)
+        assert not second.done()  # the other slot is idle, but holds none of it
+    assert await second == (first, len(A) * TOKEN_BLOCK)
+
+
+async def test_the_wait_for_a_busy_slot_is_bounded() -> None:
+    table = SlotTable(2, lambda _: None)
+    table.s_per_token = 0.0001  # recomputing is quick: wait ~16 ms at most
+    async with table.hold(A, ()) as (first, _):
+        slot, reused = await _hold_once(table, A_THEN_MORE, ())
+        assert slot != first and reused == 0
+
+
+def test_observe_tracks_the_prompt_speed() -> None:
+    table = SlotTable(1, lambda _: None)
+    for _ in range(30):
+        table.observe(1000, 10.0)  # a loaded CPU: 100 prompt tokens/s
+    assert table.s_per_token == pytest.approx(0.01, rel=1e-3)
+    before = table.s_per_token
+    table.observe(3, 100.0)  # too few tokens to tell
+    assert table.s_per_token == before

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -89,6 +90,13 @@ async def sse_data(content: aiohttp.StreamReader) -> AsyncIterator[list[str]]:
 @dataclass
 class _Progress:
     started: bool = False
+    on_first: Callable[[], None] | None = None
+    """Called at the first output (the prompt is computed)."""
+
+    def first(self) -> None:
+        if self.on_first is not None:
+            self.on_first()
+            self.on_first = None
 
 
 class Backend:
@@ -153,6 +161,8 @@ class Backend:
                     url, data=self._request_body(job, pin), headers=self.target.headers
                 ) as resp,
             ):
+                if pin is not None and self.pinning is not None:
+                    progress.on_first = functools.partial(self.pinning.first_output, pin)
                 if resp.status != 200:
                     raw = await resp.read()
                     out.send(
@@ -163,7 +173,7 @@ class Backend:
                         )
                     )
                 elif self._collects(job):
-                    await self._collect(job, resp, out)
+                    await self._collect(job, resp, out, progress)
                 elif not job.stream:
                     out.send(
                         JobResult(
@@ -212,10 +222,13 @@ class Backend:
                 if data == "null":  # llama-server's placeholder for a prompt with no output yet
                     continue
                 out.chunk(job_id, self._rename(data))
+                progress.first()
                 progress.started = True
         raise aiohttp.ClientPayloadError("the backend ended the stream without [DONE]")
 
-    async def _collect(self, job: JobStart, resp: aiohttp.ClientResponse, out: JobSink) -> None:
+    async def _collect(
+        self, job: JobStart, resp: aiohttp.ClientResponse, out: JobSink, progress: _Progress
+    ) -> None:
         chunks: list[dict[str, Any]] = []
         async for batch in sse_data(resp.content):
             for data in batch:
@@ -235,6 +248,7 @@ class Backend:
                     err = error_from_body(500, data.encode())
                     out.send(JobFailed(job_id=job.job_id, status=500, error=err))
                     return
+                progress.first()
                 chunks.append(chunk)
         raise aiohttp.ClientPayloadError("the backend ended the stream without [DONE]")
 

@@ -40,6 +40,8 @@ class Pin:
     """Prompt tokens the slot already held (a multiple of ``slots.TOKEN_BLOCK``)."""
     prompt_tokens: int
     tokenize_ms: float
+    taken_at: float
+    """When the job took its slot (``time.perf_counter``)."""
 
 
 class SlotPinning:
@@ -69,7 +71,13 @@ class SlotPinning:
                 len(tokens),
                 tokenize_ms,
             )
-            yield Pin(slot, reused, len(tokens), tokenize_ms)
+            yield Pin(slot, reused, len(tokens), tokenize_ms, time.perf_counter())
+
+    def first_output(self, pin: Pin) -> None:
+        """The job's first output arrived: its prompt is computed (the prompt speed here)."""
+        self.table.observe(
+            pin.prompt_tokens - pin.expected_reuse, time.perf_counter() - pin.taken_at
+        )
 
     async def _tokens(self, job: JobStart) -> list[int]:
         try:

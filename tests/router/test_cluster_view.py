@@ -22,6 +22,7 @@ from socketless import worker_connection
 from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import (
     BackendState,
+    CacheChanged,
     Endpoint,
     ModelInfo,
 )
@@ -199,3 +200,23 @@ async def test_in_process_health_and_depths_are_this_routers(tmp_path: Path) -> 
             router.ctx.store.close()
     assert health["queue"] == "memory" and health["workers"] == 1
     assert health["ready_workers"] == 1 and model["queued"] == 2
+
+
+async def test_every_router_sees_what_each_workers_slots_hold(
+    routers: Callable[[], RouterApp],
+) -> None:
+    """A worker's prefix summary travels through the worker directory (issue 15, item 3);
+    a restarted llama-server's empty one too."""
+    a, b = routers(), routers()
+    worker = connect(a.dispatcher, "wa")
+    a.dispatcher.workers.on_message(worker, CacheChanged(blocks=(11, 12, 13)))
+    a.dispatcher.directory.changed()
+
+    def held() -> frozenset[int] | None:
+        remote = b.dispatcher.remote_workers()
+        return remote[0].cached if remote else None
+
+    await until(lambda: held() == {11, 12, 13}, "B to see A's worker's prefix blocks")
+    a.dispatcher.workers.on_message(worker, CacheChanged(blocks=()))
+    a.dispatcher.directory.changed()
+    await until(lambda: held() == frozenset(), "B to see them cleared")

@@ -32,7 +32,7 @@ from shoal.router.metrics import (
     Snapshot,
 )
 from shoal.router.routes import metrics as metrics_route
-from shoal.router.usage import usage_of
+from shoal.router.usage import cached_of, usage_of
 
 KEY = "sk-metrics-test"
 
@@ -397,3 +397,30 @@ def test_tunnel_bytes_are_a_counter_per_deployment_and_direction() -> None:
     )
     assert value(samples, "shoal_tunnel_bytes_total", deployment="big", direction="to_head") == 789
     assert "# TYPE shoal_tunnel_bytes_total counter" in m.render()[0].decode()
+
+
+def test_prompt_tokens_computed_and_cached_per_model() -> None:
+    m = Metrics(empty)
+    m.prompt_cache("smol", 900, 1000)
+    m.prompt_cache("smol", 0, 50)
+    samples = scrape(m)
+    assert value(samples, "shoal_prompt_tokens_total", model="smol", source="cached") == 900
+    assert value(samples, "shoal_prompt_tokens_total", model="smol", source="computed") == 150
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ('{"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":7}}}', 7),
+        ('{"choices":[],"timings":{"cache_n":5,"prompt_n":2,"predicted_n":1}}', 5),
+        (  # usage wins over timings, wherever each is
+            '{"timings":{"cache_n":5},"usage":{"prompt_tokens":9,'
+            '"prompt_tokens_details":{"cached_tokens":8}}}',
+            8,
+        ),
+        ('{"usage":{"prompt_tokens":9,"completion_tokens":1}}', None),  # says nothing of it
+        ('{"content":"\\"cached_tokens\\": 3"}', None),  # only inside a string
+    ],
+)
+def test_cached_of(body: str, expected: int | None) -> None:
+    assert cached_of(body) == expected

@@ -8,7 +8,13 @@ from hypothesis import strategies as st
 
 from shoal.protocol.ids import ModelName, WorkerId
 from shoal.protocol.messages import Endpoint
-from shoal.router.dispatch.scheduler import WorkerLoad, pick_worker
+from shoal.protocol.prefix import expected_tokens
+from shoal.router.dispatch.scheduler import (
+    LOAD_COST_TOKENS,
+    WorkerLoad,
+    expected_reuse,
+    pick_worker,
+)
 
 M = ModelName("m")
 CHAT = Endpoint.CHAT
@@ -75,3 +81,70 @@ def test_pick_worker_properties(workers: list[WorkerLoad]) -> None:
         eligible = [x for x in eligible if x.loaded]
     assert picked.running / picked.slots == min(x.running / x.slots for x in eligible)
     assert pick_worker(list(reversed(workers)), M, CHAT) == chosen
+
+
+# ---------------------------------------------------------------- prefix routing
+
+CHAIN = tuple(range(100, 120))  # a request's 20-block prefix chain (~1,280 tokens)
+HOT = frozenset(CHAIN)
+HALF = frozenset(CHAIN[:10])
+SHORT = frozenset(CHAIN[:1])  # one block: a template header, ~64 tokens
+
+
+def c(id_: str, running: int = 0, cached: frozenset[int] = frozenset(), **kw: bool) -> WorkerLoad:
+    return WorkerLoad(WorkerId(id_), kw.get("ready", True), SERVES_M, 4, running, 0.0, True, cached)
+
+
+@pytest.mark.parametrize(
+    ("workers", "expected"),
+    [
+        ([c("a"), c("b", cached=HOT)], "b"),  # the worker holding the prefix
+        ([c("a"), c("b", running=3, cached=HOT)], "b"),  # even busy, while a slot is free
+        ([c("a"), c("b", running=4, cached=HOT)], "a"),  # full: spills over
+        ([c("a", cached=HALF), c("b", cached=HOT)], "b"),  # the longest prefix wins
+        ([c("a", running=1, cached=HALF), c("b", running=3, cached=HOT)], "b"),
+        ([c("a"), c("b", running=2, cached=SHORT)], "a"),  # a short match loses to load
+        ([c("a", running=1), c("b", running=1, cached=SHORT)], "b"),  # but breaks a tie
+        ([c("a", cached=HOT, ready=False), c("b")], "b"),  # a restarting worker is skipped
+        ([c("a", cached=frozenset(CHAIN[1:])), c("b", running=1)], "a"),  # no first block
+    ],
+)
+def test_pick_worker_by_prefix(workers: list[WorkerLoad], expected: str) -> None:
+    assert pick_worker(workers, M, CHAT, CHAIN) == expected
+
+
+def test_without_a_prefix_held_blocks_are_ignored() -> None:
+    """``--routing least-loaded`` passes no prefix: the least loaded wins whatever it holds."""
+    assert pick_worker([c("a"), c("b", running=1, cached=HOT)], M, CHAT) == "a"
+
+
+cached_loads = st.builds(
+    c,
+    id_=st.text("abcdef", min_size=1, max_size=3),
+    running=st.integers(0, 4),
+    cached=st.integers(0, len(CHAIN)).map(lambda n: frozenset(CHAIN[:n])),
+    ready=st.booleans(),
+)
+
+
+@given(st.lists(cached_loads, max_size=6, unique_by=lambda x: x.id))
+def test_prefix_routing_properties(workers: list[WorkerLoad]) -> None:
+    chosen = pick_worker(workers, M, CHAT, CHAIN)
+    eligible = [x for x in workers if x.ready and x.running < x.slots]
+    if not eligible:
+        assert chosen is None  # the job waits only when every worker is full
+        return
+    assert chosen is not None, "no worker idles while a job waits"
+    picked = next(x for x in workers if x.id == chosen)
+    assert picked in eligible
+
+    def worth(x: WorkerLoad) -> float:
+        return expected_reuse(x, CHAIN) - LOAD_COST_TOKENS * x.running / x.slots
+
+    assert worth(picked) == max(worth(x) for x in eligible)
+    if any(len(x.cached) == len(CHAIN) for x in eligible):
+        # a hot prefix stays where it is held while a slot is free: at worst it goes to a
+        # less busy worker holding nearly all of it, never to one holding little
+        slack = LOAD_COST_TOKENS // expected_tokens(1)
+        assert len(picked.cached) >= len(CHAIN) - slack
+    assert pick_worker(list(reversed(workers)), M, CHAT, CHAIN) == chosen

@@ -35,10 +35,14 @@ from shoal.protocol.shards import (
 PROTOCOL_VERSION = 5
 """Bumped on any incompatible change; a router refuses workers that speak another version.
 5: chunks carry token ids (resuming answers); ``ShardStart`` names the stage's layers and the
-pinned file, ``ShardStatus`` reports its seeding (messages forbid unknown fields, so a v4
-worker could read none of these)."""
+pinned file, ``ShardStatus`` reports its seeding; ``CacheChanged`` and ``Heartbeat.cached``
+report the prefixes a worker's slots hold (messages forbid unknown fields, so a v4 worker
+could read none of these)."""
 
 WS_PATH = "/ws/worker"
+
+MAX_CACHED_BLOCKS = 8192
+"""The most prefix hashes a worker reports (64 slots' worth of ``prefix.MAX_BLOCKS``)."""
 
 
 # ---------------------------------------------------------------- shared vocabulary
@@ -173,6 +177,17 @@ class Heartbeat(Message):
     """Free memory of each GPU in ``Hardware.gpus`` order (None where the tool cannot say)."""
     stage_memory_bytes: int | None = None
     """``Register.stage_memory_bytes``, now."""
+    cached_blocks: tuple[int, ...] = Field((), max_length=MAX_CACHED_BLOCKS)
+    """``CacheChanged.blocks``, now."""
+
+
+class CacheChanged(Message):
+    """What the worker's llama-server slots hold changed (a job took a slot, or
+    llama-server restarted and holds nothing): the prefix blocks the router matches on."""
+
+    type: Literal["cache"] = "cache"
+    blocks: tuple[int, ...] = Field((), max_length=MAX_CACHED_BLOCKS)
+    """The ``protocol.prefix.prefix_chain`` hashes some slot holds, sorted."""
 
 
 class ModelsChanged(Message):
@@ -241,6 +256,7 @@ WorkerMessage = Annotated[
     | Heartbeat
     | StateChanged
     | ModelsChanged
+    | CacheChanged
     | Chunks
     | JobResult
     | JobDone
@@ -424,6 +440,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "WS_PATH",
     "BackendState",
+    "CacheChanged",
     "Chunk",
     "ChunkItem",
     "Chunks",

@@ -76,8 +76,11 @@ class Accounting:
         if ticket.slot is not None:
             await ticket.slot.keepalive()
 
-    async def finish(self, ticket: Ticket, job: Job, tokens: tuple[int, int] | None) -> None:
-        """Charge ``job``'s tokens to the ticket's key and release what it held. Idempotent."""
+    async def finish(
+        self, ticket: Ticket, job: Job, tokens: tuple[int, int] | None, cached: int | None = None
+    ) -> None:
+        """Charge ``job``'s tokens to the ticket's key and release what it held. Idempotent.
+        ``cached``: of the prompt tokens, those the backend reused from its cache."""
         if ticket.finished:
             return
         ticket.finished = True
@@ -85,6 +88,8 @@ class Accounting:
         used_in, used_out = tokens or (0, 0)
         if tokens is not None:
             self.metrics.tokens(job.model, used_in, used_out)
+            if cached is not None:
+                self.metrics.prompt_cache(job.model, min(cached, used_in), used_in)
         principal = ticket.principal
         if principal.key_id is None:
             return

@@ -315,6 +315,13 @@ class Metrics:
             ["model", "direction"],
             registry=r,
         )
+        self._prompt_tokens = Counter(
+            "shoal_prompt_tokens_total",
+            "Prompt tokens of answered requests, per model: source=computed (evaluated by the "
+            "backend) or cached (reused from its prompt cache; prefix routing raises this).",
+            ["model", "source"],
+            registry=r,
+        )
         self._queue_wait = Histogram(
             "shoal_queue_wait_seconds",
             "Time a job waited in the queue before a worker took it, per model.",
@@ -371,6 +378,10 @@ class Metrics:
     def tokens(self, model: str, prompt_tokens: int, completion_tokens: int) -> None:
         self._tokens.labels(model, "in").inc(prompt_tokens)
         self._tokens.labels(model, "out").inc(completion_tokens)
+
+    def prompt_cache(self, model: str, cached: int, prompt_tokens: int) -> None:
+        self._prompt_tokens.labels(model, "cached").inc(cached)
+        self._prompt_tokens.labels(model, "computed").inc(prompt_tokens - cached)
 
     def queue_wait(self, model: str, key: str, seconds: float) -> None:
         self._queue_wait.labels(model).observe(seconds)

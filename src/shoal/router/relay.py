@@ -26,7 +26,7 @@ from shoal.router.errors import (
     error_response,
 )
 from shoal.router.result_cache import CacheFill
-from shoal.router.usage import tokens_of
+from shoal.router.usage import cached_of, tokens_of
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,8 @@ class JobResponse(Response):
             if tokens is not None:  # its key's share is corrected by what it really cost
                 self.dispatcher.settle(self.job, sum(tokens))
             if self.accounting is not None and self.ticket is not None:
-                await self.accounting.finish(self.ticket, self.job, tokens)
+                cached = cached_of(self.answer) if self.answer else None
+                await self.accounting.finish(self.ticket, self.job, tokens, cached)
 
     async def _respond(self, scope: Scope, send: Send) -> None:
         job = self.job

@@ -51,6 +51,12 @@ class RouterSettings(CommonSettings):
         description="Order of the requests waiting for a model: fair (API keys share the "
         "workers by work done; async jobs wait for interactive requests) or fifo (arrival).",
     )
+    routing: Literal["prefix", "least-loaded"] = Field(
+        "prefix",
+        description="Which worker a request goes to: prefix (the one whose llama-server "
+        "already holds the longest part of its prompt, until that worker is full) or "
+        "least-loaded.",
+    )
     max_requeues: int = Field(
         2, ge=0, description="Times a job is handed to another worker when its worker is lost."
     )

@@ -71,3 +71,22 @@ def tokens_of(body: str) -> tuple[int, int] | None:
     if not (_count(prompt) and _count(completion)):
         return None
     return prompt, completion
+
+
+_CACHED = re.compile(r'"cached_tokens"\s*:\s*(\d+)')
+_CACHE_N = re.compile(r'"cache_n"\s*:\s*(\d+)')
+
+
+def cached_of(body: str) -> int | None:
+    """Prompt tokens reused from the backend's cache: ``usage.prompt_tokens_details.
+    cached_tokens`` (OpenAI's field, which llama-server fills), else llama-server's
+    ``timings.cache_n``; None when the answer says neither."""
+    at = body.rfind(_USAGE_KEY)
+    match = _USAGE.match(body, at) if at != -1 else None
+    if match is not None and (cached := _CACHED.search(match.group(1))) is not None:
+        return int(cached.group(1))
+    at = body.rfind('"timings"')
+    match = _TIMINGS.match(body, at) if at != -1 else None
+    if match is not None and (cache_n := _CACHE_N.search(match.group(1))) is not None:
+        return int(cache_n.group(1))
+    return None

@@ -69,6 +69,9 @@ class WorkerConnection:
     """What a split model's stage may hold here (``Register.stage_memory_bytes``)."""
     no_shards: str | None = None
     """Why it cannot run parts of split models (None: it can)."""
+    cached: frozenset[int] = frozenset()
+    """The prefix hashes its llama-server's slots hold (``CacheChanged``), with those of the
+    jobs placed on it since (its report may not include them yet)."""
     outbox: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
     served: frozenset[tuple[ModelName, Endpoint]] = frozenset()
 
@@ -97,6 +100,16 @@ class WorkerConnection:
         self.ram_available_bytes = msg.ram_available_bytes
         self.gpu_free_bytes = msg.gpu_free_bytes
         self.stage_memory_bytes = msg.stage_memory_bytes
+        self.set_cached(msg.cached_blocks)
+
+    def set_cached(self, blocks: tuple[int, ...]) -> None:
+        """What the worker reports its slots hold, plus the prefixes of its running jobs."""
+        self.cached = frozenset(blocks).union(*(job.prefix for job in self.running.values()))
+
+    def note_prefix(self, prefix: tuple[int, ...]) -> None:
+        """A job with ``prefix`` was placed here: its slot will hold it."""
+        if prefix:
+            self.cached = self.cached.union(prefix)
 
     def set_models(self, models: tuple[ModelInfo, ...]) -> None:
         if models != self.models:
@@ -152,6 +165,7 @@ class WorkerConnection:
             slots=self.slots,
             running=len(self.running),
             last_assigned=self.last_assigned,
+            cached=self.cached,
         )
 
     def summary(self) -> dict[str, object]:
@@ -173,6 +187,7 @@ class WorkerConnection:
             "peer": self.peer,
             "connected_at": self.connected_at,
             "last_seen_s_ago": round(time.monotonic() - self.last_seen, 3),
+            "cached_blocks": sorted(self.cached),
         }
 
 

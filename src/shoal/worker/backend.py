@@ -8,6 +8,8 @@ case the request's model is swapped for the backend's and the replies' back agai
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ from shoal.worker.continuation import (
     template_request,
     with_token_ids,
 )
+from shoal.worker.pinning import Pin, SlotPinning
 from shoal.worker.sink import JobSink
 
 log = logging.getLogger(__name__)
@@ -101,17 +104,31 @@ async def sse_data(content: aiohttp.StreamReader) -> AsyncIterator[list[str]]:
 @dataclass
 class _Progress:
     started: bool = False
+    on_first: Callable[[], None] | None = None
+    """Called at the first output (the prompt is computed)."""
+
+    def first(self) -> None:
+        if self.on_first is not None:
+            self.on_first()
+            self.on_first = None
 
 
 class Backend:
     """One aiohttp session to the backend, shared by every job of this worker."""
 
     def __init__(
-        self, target: BackendTarget, session: aiohttp.ClientSession, base_url: Callable[[], str]
+        self,
+        target: BackendTarget,
+        session: aiohttp.ClientSession,
+        base_url: Callable[[], str],
+        pinning: SlotPinning | None = None,
     ) -> None:
+        """``pinning``: our own llama-server's slots, chosen per job (None for a server we
+        attach to, whose slots we do not know)."""
         self.target = target
         self.session = session
         self.base_url = base_url  # llama-server's port may change when it restarts
+        self.pinning = pinning
 
     def _collects(self, job: JobStart) -> bool:
         """Whether this job is streamed from the backend and assembled here."""
@@ -129,8 +146,13 @@ class Backend:
             and job.endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS)
         )
 
-    def _request_body(self, job: JobStart) -> bytes:
+    def _pin(self, job: JobStart) -> contextlib.AbstractAsyncContextManager[Pin | None]:
+        return self.pinning.pin(job) if self.pinning else contextlib.nullcontext()
+
+    def _request_body(self, job: JobStart, pin: Pin | None = None) -> bytes:
         body: dict[str, Any] = dict(job.body)
+        if pin is not None:
+            body["id_slot"] = pin.slot
         if self.target.backend_model is not None:
             body["model"] = self.target.backend_model
         if self._collects(job):
@@ -167,29 +189,14 @@ class Backend:
         url = self.base_url() + job.endpoint.path
         progress = _Progress(started=job.resume is not None)
         try:
-            if job.resume is not None:
-                await self._go_on(job, job.resume, out)
-                return
-            async with await self._post(url, self._request_body(job)) as resp:
-                if resp.status != 200:
-                    raw = await resp.read()
-                    out.send(
-                        JobFailed(
-                            job_id=job.job_id,
-                            status=resp.status,
-                            error=error_from_body(resp.status, raw),
-                        )
-                    )
-                elif self._collects(job):
-                    await self._collect(job, resp, out)
-                elif not job.stream:
-                    out.send(
-                        JobResult(
-                            job_id=job.job_id, body=self._rename((await resp.read()).decode())
-                        )
-                    )
-                else:
-                    await self._stream(job, resp, out, progress)
+            async with self._pin(job) as pin:
+                if job.resume is not None:
+                    await self._go_on(job, job.resume, out, pin)
+                    return
+                if pin is not None and self.pinning is not None:
+                    progress.on_first = functools.partial(self.pinning.first_output, pin)
+                async with await self._post(url, self._request_body(job, pin)) as resp:
+                    await self._answer(job, resp, out, progress)
         except (
             aiohttp.ClientError,
             TimeoutError,
@@ -211,6 +218,27 @@ class Backend:
                     ),
                 )
             )
+
+    async def _answer(
+        self, job: JobStart, resp: aiohttp.ClientResponse, out: JobSink, progress: _Progress
+    ) -> None:
+        """Pass the backend's answer to ``job`` on: an error, whole, assembled, or streamed."""
+        if resp.status != 200:
+            raw = await resp.read()
+            out.send(
+                JobFailed(
+                    job_id=job.job_id,
+                    status=resp.status,
+                    error=error_from_body(resp.status, raw),
+                )
+            )
+        elif self._collects(job):
+            await self._collect(job, resp, out, progress)
+        elif not job.stream:
+            body = self._rename((await resp.read()).decode())
+            out.send(JobResult(job_id=job.job_id, body=body))
+        else:
+            await self._stream(job, resp, out, progress)
 
     async def _stream(
         self, job: JobStart, resp: aiohttp.ClientResponse, out: JobSink, progress: _Progress
@@ -236,11 +264,14 @@ class Backend:
                 if data == "null":  # llama-server's placeholder for a prompt with no output yet
                     continue
                 out.chunk(job_id, self._rename(data))
+                progress.first()
                 progress.started = True
         raise aiohttp.ClientPayloadError("the backend ended the stream without [DONE]")
 
-    async def _go_on(self, job: JobStart, resume: Continuation, out: JobSink) -> None:
-        """Go on with an answer another worker began (``continuation``)."""
+    async def _go_on(
+        self, job: JobStart, resume: Continuation, out: JobSink, pin: Pin | None
+    ) -> None:
+        """Go on with an answer another worker began (``continuation``), in ``pin``'s slot."""
         if not self.target.token_ids:
             out.send(_not_resumable(job, "this worker's backend is not its own llama-server"))
             return
@@ -260,6 +291,8 @@ class Backend:
         try:
             prompt = await self._chat_prompt(job.body) if chat else None
             body = continuation(job.body, job.endpoint, resume, prompt)
+            if pin is not None:
+                body["id_slot"] = pin.slot
         except NotResumable as exc:
             out.send(_not_resumable(job, str(exc)))
             return
@@ -322,10 +355,13 @@ class Backend:
                     if ids is not None:
                         carry.clear()
                     out.chunk(job_id, self._rename(orjson.dumps(part).decode()), ids)
+                    progress.first()
                     progress.started = True
         raise aiohttp.ClientPayloadError("the backend ended the stream without [DONE]")
 
-    async def _collect(self, job: JobStart, resp: aiohttp.ClientResponse, out: JobSink) -> None:
+    async def _collect(
+        self, job: JobStart, resp: aiohttp.ClientResponse, out: JobSink, progress: _Progress
+    ) -> None:
         chunks: list[dict[str, Any]] = []
         async for batch in sse_data(resp.content):
             for data in batch:
@@ -345,6 +381,7 @@ class Backend:
                     err = error_from_body(500, data.encode())
                     out.send(JobFailed(job_id=job.job_id, status=500, error=err))
                     return
+                progress.first()
                 chunks.append(chunk)
         raise aiohttp.ClientPayloadError("the backend ended the stream without [DONE]")
 

@@ -36,6 +36,7 @@ from websockets.asyncio.client import ClientConnection
 
 from shoal.protocol.messages import (
     BackendState,
+    CacheChanged,
     Heartbeat,
     JobCancel,
     JobResume,
@@ -219,6 +220,8 @@ class RouterLink:
             f"router link of worker {self.worker_id}", ALLOWED, LinkState.WAITING, log
         )
         self.backend_state = BackendState.LOADING
+        self.cached_blocks: tuple[int, ...] = ()
+        """What llama-server's slots hold (``CacheChanged``), sent again in heartbeats."""
         self.default_model: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         """The router's default model, from the first ``registered`` reply."""
         self._grace: asyncio.TimerHandle | None = None
@@ -244,6 +247,11 @@ class RouterLink:
         self.backend_state = state
         if self.state is LinkState.REGISTERED:
             self.outbox.send(StateChanged(state=state, detail=detail))
+
+    def on_cache(self, blocks: tuple[int, ...]) -> None:
+        self.cached_blocks = blocks
+        if self.state is LinkState.REGISTERED:
+            self.outbox.send(CacheChanged(blocks=blocks))
 
     async def run(self) -> None:
         attempt = turn = 0
@@ -344,6 +352,8 @@ class RouterLink:
         # the held jobs' output stays in their journals until the router resumes each one,
         # or cancels it (``_abandon`` drops any it ignored).
         self.outbox.detach()
+        if self.cached_blocks:
+            self.outbox.send(CacheChanged(blocks=self.cached_blocks))
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self.outbox.pump(ws.send))
@@ -379,6 +389,7 @@ class RouterLink:
                     ram_available_bytes=ram,
                     gpu_free_bytes=gpus,
                     stage_memory_bytes=self.memory.stage_memory(),
+                    cached_blocks=self.cached_blocks,
                 )
             )
 

@@ -56,6 +56,7 @@ from shoal.worker.link import (
 )
 from shoal.worker.llama_server import LlamaServer
 from shoal.worker.outbox import Outbox
+from shoal.worker.pinning import SlotPinning
 from shoal.worker.plan import (
     Plan,
     local_model,
@@ -68,6 +69,7 @@ from shoal.worker.redis_pull import RedisPuller, redis_address, redis_client
 from shoal.worker.runner import JobRunner
 from shoal.worker.settings import WorkerSettings
 from shoal.worker.shards import ShardHost, ShardTools
+from shoal.worker.slots import SlotTable
 from shoal.worker.tunnels import TunnelEnds
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,8 @@ class Link(Protocol):
     def on_models(self, models: tuple[ModelInfo, ...]) -> None: ...
 
     def on_backend_state(self, state: BackendState, detail: str) -> None: ...
+
+    def on_cache(self, blocks: tuple[int, ...]) -> None: ...
 
 
 ShardFactory = Callable[[Callable[[], None]], ShardHost]
@@ -117,6 +121,8 @@ class _Serving:
         self.on_ready = on_ready
         self.plan: Plan | None = None
         self.supervisor: LlamaServer | AttachedServer | None = None
+        self.slots: SlotTable | None = None
+        """What our llama-server's slots hold (None: no llama-server of ours yet)."""
         self.links: list[Link] = []
         """Told of every change; a link is added once built (it reads ``models``)."""
         self.images = (
@@ -151,10 +157,16 @@ class _Serving:
             link.on_models(self.models)
 
     def on_state(self, state: BackendState, detail: str) -> None:
+        if state is not BackendState.READY and self.slots is not None:
+            self.slots.reset(f"llama-server {state.value}")  # a new process holds nothing
         for link in self.links:
             link.on_backend_state(state, detail)
         if state is BackendState.READY and self.on_ready is not None:
             self.on_ready()
+
+    def cache_changed(self, blocks: tuple[int, ...]) -> None:
+        for link in self.links:
+            link.on_cache(blocks)
 
     def control_model(self, msg: ModelControl) -> bool:
         """Load or unload an image model as the router asks; False if none is served here
@@ -175,8 +187,11 @@ class _Serving:
         session: aiohttp.ClientSession,
     ) -> None:
         supervisor: LlamaServer | AttachedServer
+        pinning: SlotPinning | None = None
         if the_plan.llama is not None:
             supervisor = LlamaServer(the_plan.llama, self.on_state)
+            self.slots = SlotTable(the_plan.llama.slots, self.cache_changed)
+            pinning = SlotPinning(self.slots, session, lambda: supervisor.url)
         else:
             assert self.settings.backend_url is not None
             supervisor = AttachedServer(self.settings.backend_url.rstrip("/"), self.on_state)
@@ -184,7 +199,8 @@ class _Serving:
         self.models_changed()
         tg.create_task(supervisor.run())
         target = await _target(self.settings, the_plan, supervisor, session)
-        tg.create_task(runner.run(Backend(target, session, lambda: supervisor.url), supervisor.use))
+        backend = Backend(target, session, lambda: supervisor.url, pinning)
+        tg.create_task(runner.run(backend, supervisor.use))
 
     async def adopt_default(
         self,

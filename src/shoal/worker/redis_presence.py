@@ -44,6 +44,7 @@ def summary(
     ram_available_bytes: int,
     gpu_free_bytes: tuple[int | None, ...],
     connected_at: float,
+    cached_blocks: tuple[int, ...] = (),
 ) -> Summary:
     """The entry's summary: the fields a router writes for its own workers."""
     return {
@@ -63,6 +64,7 @@ def summary(
         "peer": "",
         "connected_at": connected_at,
         "last_seen_s_ago": 0.0,  # written just now; the TTL drops an entry gone stale
+        "cached_blocks": list(cached_blocks),
     }
 
 

@@ -186,6 +186,8 @@ class RedisPuller:
         self.models: tuple[ModelInfo, ...] = first.models
         self.backend_state = first.state
         self.detail = ""
+        self.cached_blocks: tuple[int, ...] = ()
+        """What llama-server's slots hold: in the entry, for every router to match on."""
         self.connected_at = time.time()
         self._held: dict[JobId, Held] = {}
         self._wake = asyncio.Event()  # a slot freed, the backend or the models changed
@@ -216,6 +218,10 @@ class RedisPuller:
         self._wake.set()
         self.presence.changed()
 
+    def on_cache(self, blocks: tuple[int, ...]) -> None:
+        self.cached_blocks = blocks
+        self.presence.changed()
+
     async def describe(self) -> Summary:
         """This worker's entry in the cluster's worker list."""
         ram, gpus = await self.memory.free()
@@ -226,6 +232,7 @@ class RedisPuller:
             ram_available_bytes=ram,
             gpu_free_bytes=gpus,
             connected_at=self.connected_at,
+            cached_blocks=self.cached_blocks,
         )
 
     # ------------------------------------------------------------ running

@@ -1,11 +1,13 @@
 """The cluster's worker list, shared by every router on one Redis.
 
 Each router writes a hash per worker connected to it (``redis_keys.worker_key``: its
-``summary`` as JSON and the ``router`` holding it), with a TTL it refreshes every sync, and
-deletes it when the worker disconnects; a router that dies leaves hashes that expire. Each
-sync also reads every worker hash (through the ``worker_index_key`` set, never ``SCAN``),
-so ``remote`` is the other routers' workers as of the last sync. A sync runs every
-``interval_s`` and at once after ``changed()`` (a worker joined or left here).
+``summary`` as JSON, with the prefix blocks its slots hold, and the ``router`` holding
+it), with a TTL it refreshes every sync, and deletes it when the worker disconnects; a
+router that dies leaves hashes that expire. Each sync also reads every worker hash (through
+the ``worker_index_key`` set, never ``SCAN``), so ``remote`` is the other routers' workers
+as of the last sync. A sync runs every ``interval_s`` and at once after ``changed()`` (a
+worker joined or left here); what a worker's slots hold changes with every job, so it
+travels at the interval, like a heartbeat.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ class RemoteWorker:
     connected_at: float
     models: tuple[ModelInfo, ...]
     summary: dict[str, Any]
+    cached: frozenset[int] = frozenset()
+    """The prefix hashes its llama-server's slots hold (``protocol.prefix``), as of the last
+    sync of the router holding it (or of the pull worker itself)."""
 
     def serves(self, model: ModelName, endpoint: Endpoint | None = None) -> bool:
         return any(
@@ -63,6 +68,7 @@ def parse_remote(worker_id: str, router: str, raw: bytes | str) -> RemoteWorker 
             connected_at=float(summary.get("connected_at", 0.0)),
             models=models,
             summary={**summary, "router": router},
+            cached=frozenset(int(h) for h in summary.get("cached_blocks", ())),
         )
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         log.warning("worker %s: unreadable entry from router %s: %s", worker_id, router, exc)

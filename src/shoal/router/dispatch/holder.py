@@ -58,12 +58,15 @@ class Holder:
         metrics: Metrics,
         max_requeues: int,
         resume_attempts: int,
+        *,
+        prefix: bool = True,
     ) -> None:
+        """``prefix``: place jobs by the prefixes workers hold (``--routing prefix``)."""
         self.queue = queue
         self.registry = registry
         self.metrics = metrics
         self.running: Running[Claimed] = Running(
-            registry, self, max_requeues, self.kick, resume_attempts
+            registry, self, max_requeues, self.kick, resume_attempts, prefix=prefix
         )
         self._unplaced: deque[Claimed] = deque()  # claimed, no free worker for it yet
         self._capacity = asyncio.Event()

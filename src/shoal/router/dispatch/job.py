@@ -108,6 +108,9 @@ class Job:
     """Whom the job is queued for: its share of the workers (``fair_queue``)."""
     work: float = 1.0
     """Its estimated work in tokens (``fair_queue.estimated_work``), settled when it ends."""
+    prefix: tuple[int, ...] = ()
+    """Its prefix chain (``protocol.prefix``) once placed with ``--routing prefix``: its
+    worker holds it while it runs."""
     events: asyncio.Queue[ClientEvent] = field(default_factory=asyncio.Queue)
     assigned: asyncio.Event = field(default_factory=asyncio.Event)
 

@@ -56,7 +56,12 @@ class MemoryDispatcher:
         self._queues: dict[tuple[ModelName, Endpoint], FairQueue[Job]] = {}
         self._moved = asyncio.Event()  # set (and replaced) whenever a queue changes
         self._running: Running[Job] = Running(
-            registry, self, settings.max_requeues, self.pump, settings.resume_attempts
+            registry,
+            self,
+            settings.max_requeues,
+            self.pump,
+            settings.resume_attempts,
+            prefix=settings.routing == "prefix",
         )
         self.queue_backend = "memory"
         self.workers = WorkerSide(registry, self._running, self.pump)

@@ -138,7 +138,12 @@ class RedisDispatcher:
         )
         self.tail = OutputTail(redis, settings.redis_prefix, self.name, outage=self.outage)
         self.holder = Holder(
-            self.rqueue, registry, metrics, settings.max_requeues, settings.resume_attempts
+            self.rqueue,
+            registry,
+            metrics,
+            settings.max_requeues,
+            settings.resume_attempts,
+            prefix=settings.routing == "prefix",
         )
         self.directory = WorkerDirectory(
             redis,

@@ -6,7 +6,8 @@ request and the front of the router's queue; with Redis, to the job's output str
 into Redis. The rules live here once:
 
 * a job goes to the worker ``pick_worker`` chooses (``scheduler.py``), and holds one of its
-  slots until it ends;
+  slots until it ends; with ``prefix`` routing its prefix chain (``protocol/prefix.py``,
+  computed here once per placement) is matched against what each worker's slots hold;
 * a job that produced no output yet runs again elsewhere when its worker fails it as
   retryable or is lost, at most ``--max-requeues`` times; past that it fails (a lost
   worker: 502 ``worker_lost``);
@@ -30,12 +31,14 @@ from typing import Generic, Protocol, TypeVar
 from shoal.protocol.ids import JobId
 from shoal.protocol.messages import (
     Continuation,
+    Endpoint,
     JobCancel,
     JobDone,
     JobFailed,
     JobResult,
     JobStart,
 )
+from shoal.protocol.prefix import held_blocks, prefix_chain
 from shoal.queue.answer import AnswerSoFar
 from shoal.queue.events import Data, OutputEvent, from_worker, worker_lost
 from shoal.router.dispatch.job import Job, JobState
@@ -43,6 +46,9 @@ from shoal.router.dispatch.scheduler import pick_worker
 from shoal.router.workers import Registry, WorkerConnection
 
 log = logging.getLogger(__name__)
+
+PREFIXED = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
+"""The endpoints whose prompt a llama-server slot keeps."""
 
 T = TypeVar("T")
 T_contra = TypeVar("T_contra", contravariant=True)
@@ -92,9 +98,13 @@ class Running(Generic[T]):
         max_requeues: int,
         capacity: Callable[[], None],
         resume_attempts: int = 0,
+        *,
+        prefix: bool = True,
     ) -> None:
-        """``capacity`` is called whenever a slot may have freed."""
+        """``capacity`` is called whenever a slot may have freed; ``prefix``: route by the
+        prefixes workers hold (``--routing prefix``), else least loaded."""
         self.registry = registry
+        self._prefix = prefix
         self._sink = sink
         self._max_requeues = max_requeues
         self._resume_attempts = resume_attempts
@@ -116,9 +126,13 @@ class Running(Generic[T]):
     ) -> bool:
         """Start ``job`` on the worker the scheduler picks; False if none has a free slot.
         ``resume``: go on with the answer a lost worker began."""
-        worker = self._pick(job)
+        prefix = prefix_chain(job.model, body) if self._prefix and job.endpoint in PREFIXED else ()
+        worker = self._pick(job, prefix)
         if worker is None:
             return False
+        held = held_blocks(prefix, worker.load().cached)
+        job.prefix = prefix
+        worker.note_prefix(prefix)
         job.worker_id = worker.id
         job.transition(JobState.ASSIGNED, f"worker {worker.id}")
         worker.running[job.id] = job
@@ -137,7 +151,7 @@ class Running(Generic[T]):
             )
         )
         log.info(
-            "job %s model=%s (attempt %d%s) -> worker %s (%d/%d slots)",
+            "job %s model=%s (attempt %d%s) -> worker %s (%d/%d slots, %d/%d prefix blocks held)",
             job.id,
             job.model,
             attempt,
@@ -145,16 +159,20 @@ class Running(Generic[T]):
             worker.id,
             len(worker.running),
             worker.slots,
+            held,
+            len(prefix),
         )
         return True
 
-    def _pick(self, job: Job) -> WorkerConnection | None:
-        """The scheduler's worker for ``job``; not the one that just failed it mid-answer
-        while another can take it (its llama-server may not have said yet that it died)."""
+    def _pick(self, job: Job, prefix: tuple[int, ...]) -> WorkerConnection | None:
+        """The scheduler's worker for ``job`` (by ``prefix`` held, then load); not the one
+        that just failed it mid-answer while another can take it (its llama-server may not
+        have said yet that it died)."""
         others = (w.load() for w in self.registry if w.id != job.avoid)
-        worker_id = pick_worker(others, job.model, job.endpoint)
+        worker_id = pick_worker(others, job.model, job.endpoint, prefix)
         if worker_id is None and job.avoid is not None:
-            worker_id = pick_worker((w.load() for w in self.registry), job.model, job.endpoint)
+            everyone = (w.load() for w in self.registry)
+            worker_id = pick_worker(everyone, job.model, job.endpoint, prefix)
         return self.registry.get(worker_id) if worker_id else None
 
     def adopt(

@@ -17,6 +17,7 @@ from typing import Any
 
 from shoal.protocol.messages import (
     BackendState,
+    CacheChanged,
     ChunkItem,
     Chunks,
     Heartbeat,
@@ -100,6 +101,8 @@ class WorkerSide:
             case Heartbeat(state=state):
                 worker.on_heartbeat(msg)
                 self._on_state(worker, state, worker.detail)
+            case CacheChanged(blocks=blocks):
+                worker.set_cached(blocks)
             case ModelsChanged(models=models):
                 worker.set_models(models)
                 self._changed()

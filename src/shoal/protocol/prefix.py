@@ -1,0 +1,93 @@
+"""A request's prefix as the router and the worker both see it: chained block hashes.
+
+The router cannot tokenize (it has no model), so what it matches is the request's own
+content: the canonical serialization of its ``messages`` (or ``prompt``), cut into blocks of
+``BLOCK_BYTES`` and hashed in a chain, each hash covering its block and every block before
+it. A chat template renders messages in order, so two requests whose canonical text shares
+its first ``n`` blocks share the templated prompt's leading tokens up to about there. The
+worker runs this same function on every request it serves and reports the hashes its slots
+hold (``worker/slots.py``); the router counts how many leading hashes of a new request a
+worker holds (``held_blocks``). One function on both sides means no tokenizer, no template
+and nothing model-specific in the router, and a match exact to the block.
+
+Only whole blocks count, and at most ``MAX_BLOCKS`` (the first 32 KiB), which bounds what a
+worker reports per slot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection, Mapping
+
+import orjson
+
+BLOCK_BYTES = 256
+"""Canonical bytes per block: fine enough to tell a 1,000-token system prompt's end within
+about 64 tokens, coarse enough that a slot's holding is a few dozen hashes."""
+MAX_BLOCKS = 128
+"""Blocks hashed per request: the first 32 KiB of its content."""
+BYTES_PER_TOKEN = 4.0
+"""What one prompt token is worth in canonical bytes, roughly (English text, BPE): the
+router's conversion of matched blocks to expected cached tokens."""
+
+_SEP = b"\x1e"  # between messages
+_ROLE = b"\x1f"  # between a message's role and its content
+
+
+def canonical(body: Mapping[str, object]) -> bytes:
+    """The request content a prefix is made of, in the order a template renders it: the
+    tools (if any), then each message's role and content; or a completion's ``prompt``."""
+    out = bytearray()
+    tools = body.get("tools")
+    if tools:
+        out += orjson.dumps(tools, option=orjson.OPT_SORT_KEYS) + _SEP
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            if not isinstance(message, dict):
+                continue
+            out += str(message.get("role", "")).encode() + _ROLE
+            content = message.get("content")
+            if isinstance(content, str):
+                out += content.encode()
+            elif content is not None:
+                out += orjson.dumps(content, option=orjson.OPT_SORT_KEYS)
+            out += _SEP
+        return bytes(out)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        out += prompt.encode()
+    elif prompt is not None:
+        out += orjson.dumps(prompt, option=orjson.OPT_SORT_KEYS)
+    return bytes(out)
+
+
+def prefix_chain(model: str, body: Mapping[str, object]) -> tuple[int, ...]:
+    """The chained hashes of ``body``'s whole blocks (at most ``MAX_BLOCKS``), seeded with
+    the model's name so equal text for two models never matches."""
+    data = canonical(body)
+    n = min(len(data) // BLOCK_BYTES, MAX_BLOCKS)
+    chain: list[int] = []
+    prev = hashlib.blake2b(model.encode(), digest_size=8).digest()
+    for i in range(n):
+        prev = hashlib.blake2b(
+            prev + data[i * BLOCK_BYTES : (i + 1) * BLOCK_BYTES], digest_size=8
+        ).digest()
+        chain.append(int.from_bytes(prev, "big") >> 1)  # 63 bits: a plain int everywhere
+    return tuple(chain)
+
+
+def held_blocks(chain: tuple[int, ...], held: Collection[int]) -> int:
+    """How many leading blocks of ``chain`` a worker holding ``held`` has: each hash covers
+    every block before it, so the first one missing ends the match."""
+    n = 0
+    for h in chain:
+        if h not in held:
+            break
+        n += 1
+    return n
+
+
+def expected_tokens(blocks: int) -> int:
+    """Matched blocks as the prompt tokens a worker is expected to reuse."""
+    return int(blocks * BLOCK_BYTES / BYTES_PER_TOKEN)

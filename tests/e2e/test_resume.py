@@ -101,7 +101,7 @@ ROUTER_ARGS = ("--heartbeat-misses", "10", "--stall-timeout", "2")
 @dataclass
 class Fleet:
     """Routers and workers for this module's faults (each test loses a worker). In-process:
-    one router, three workers; with Redis: two routers, two workers each (the client calls
+    one router, three workers; with Redis: two routers, three workers each (the client calls
     the first; its answer may run on a worker of either)."""
 
     routers: list[Router]
@@ -140,7 +140,9 @@ def fleet(session_cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[
         placement = {"w1": 0, "w2": 0, "w3": 0}
     else:
         routers = [session_cluster.router(*ROUTER_ARGS, *shared) for _ in range(2)]
-        placement = {"a1": 0, "a2": 0, "b1": 1, "b2": 1}
+        # three per router: after a worker is killed, whichever router the frozen worker is
+        # on still hears another worker (the stall rule counts this router's own workers)
+        placement = {"a1": 0, "a2": 0, "a3": 0, "b1": 1, "b2": 1, "b3": 1}
     procs = {
         name: session_cluster.worker(routers[at], "--slots", "1", name=name)
         for name, at in placement.items()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -101,6 +101,7 @@ async def sse_data(content: aiohttp.StreamReader) -> AsyncIterator[list[str]]:
 @dataclass
 class _Progress:
     started: bool = False
+    """Output (or, for a non-streamed job, its token ids) was sent on."""
 
 
 class Backend:
@@ -129,6 +130,17 @@ class Backend:
             and job.endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS)
         )
 
+    def _tracks(self, job: JobStart) -> bool:
+        """Whether this non-streamed job reports its token ids as progress (chunks the router
+        keeps and never sends on), to go on elsewhere and be answered whole. Not when the
+        client asked for log-probabilities: those of the tokens before would be missing."""
+        return (
+            self.target.token_ids
+            and self._collects(job)
+            and job.endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS)
+            and not client_wants_logprobs(job.body, job.endpoint)
+        )
+
     def _request_body(self, job: JobStart) -> bytes:
         body: dict[str, Any] = dict(job.body)
         if self.target.backend_model is not None:
@@ -136,7 +148,7 @@ class Backend:
         if self._collects(job):
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
-        if self._trails(job):
+        if self._trails(job) or self._tracks(job):
             body = with_token_ids(body, job.endpoint)
         return orjson.dumps(body)
 
@@ -181,7 +193,9 @@ class Backend:
                         )
                     )
                 elif self._collects(job):
-                    await self._collect(job, resp, out)
+                    chat = job.endpoint is Endpoint.CHAT
+                    trail = TokenTrail(strip=True, chat=chat) if self._tracks(job) else None
+                    await self._collect(job, resp, out, _Collected(trail), progress)
                 elif not job.stream:
                     out.send(
                         JobResult(
@@ -252,7 +266,7 @@ class Backend:
             include_usage=isinstance(options, dict) and bool(options.get("include_usage")),
         )
         left = remaining_tokens(job.body, len(resume.tokens))
-        if left is not None and left <= 0:  # lost between its last token and its end
+        if left is not None and left <= 0 and job.stream:  # lost between its end and [DONE]
             for chunk in splice.chunks(_length_end(chat)):
                 out.chunk(job.job_id, orjson.dumps(chunk).decode(), ())
             out.send(JobDone(job_id=job.job_id))
@@ -260,9 +274,18 @@ class Backend:
         try:
             prompt = await self._chat_prompt(job.body) if chat else None
             body = continuation(job.body, job.endpoint, resume, prompt)
+            before = "" if job.stream else await self._text_of(resume.tokens)
         except NotResumable as exc:
             out.send(_not_resumable(job, str(exc)))
             return
+        if not job.stream:
+            splice.include_usage = True  # the whole answer has its usage
+            if left is not None and left <= 0:  # lost between its last token and its end
+                collected = _Collected(None, splice, before)
+                collected.take(_length_end(chat))
+                body_out = orjson.dumps(collected.answer(job.endpoint)).decode()
+                out.send(JobResult(job_id=job.job_id, body=self._rename(body_out)))
+                return
         log.info(
             "job %s model=%s: going on after %d tokens", job.job_id, job.model, len(resume.tokens)
         )
@@ -275,7 +298,25 @@ class Backend:
                 return
             strip = not client_wants_logprobs(job.body, job.endpoint)
             trail = TokenTrail(strip=strip, chat=False)
+            if not job.stream:
+                collected = _Collected(trail, splice, before)
+                await self._collect(job, resp, out, collected, _Progress(started=True))
+                return
             await self._relay(job, resp, out, trail, splice, _Progress(started=True))
+
+    async def _text_of(self, tokens: tuple[int, ...]) -> str:
+        """The text of ``tokens`` as llama-server spells them: what a non-streamed answer had
+        produced before its worker was lost (exactly: ids are sent only where the text so
+        far is exactly theirs)."""
+        url = self.base_url() + "/detokenize"
+        async with await self._post(url, orjson.dumps({"tokens": list(tokens)})) as resp:
+            raw = await resp.read()
+            if resp.status != 200:
+                raise NotResumable(error_from_body(resp.status, raw).message)
+        content = orjson.loads(raw).get("content")
+        if not isinstance(content, str):
+            raise NotResumable("/detokenize gave no text")
+        return content
 
     async def _chat_prompt(self, body: dict[str, Any]) -> str:
         url = self.base_url() + "/apply-template"
@@ -325,12 +366,20 @@ class Backend:
                     progress.started = True
         raise aiohttp.ClientPayloadError("the backend ended the stream without [DONE]")
 
-    async def _collect(self, job: JobStart, resp: aiohttp.ClientResponse, out: JobSink) -> None:
-        chunks: list[dict[str, Any]] = []
+    async def _collect(
+        self,
+        job: JobStart,
+        resp: aiohttp.ClientResponse,
+        out: JobSink,
+        collected: _Collected,
+        progress: _Progress,
+    ) -> None:
+        """Assemble a non-streamed answer from the backend's stream, reporting its token ids
+        as they come when ``collected`` follows them."""
         async for batch in sse_data(resp.content):
             for data in batch:
                 if data == "[DONE]":
-                    body = orjson.dumps(aggregate(chunks, job.endpoint)).decode()
+                    body = orjson.dumps(collected.answer(job.endpoint)).decode()
                     out.send(JobResult(job_id=job.job_id, body=self._rename(body)))
                     await _finish_body(resp)
                     return
@@ -345,8 +394,52 @@ class Backend:
                     err = error_from_body(500, data.encode())
                     out.send(JobFailed(job_id=job.job_id, status=500, error=err))
                     return
-                chunks.append(chunk)
+                head = collected.take(chunk)
+                if head is not None:
+                    out.chunk(job.job_id, head, collected.ids)
+                    progress.started = True
         raise aiohttp.ClientPayloadError("the backend ended the stream without [DONE]")
+
+
+@dataclass
+class _Collected:
+    """A non-streamed answer being assembled from the backend's chunks, and its token ids
+    (``trail``; through ``splice`` with ``before``, the text already produced, when going on
+    with an answer another worker began)."""
+
+    trail: TokenTrail | None = None
+    splice: Splice | None = None
+    before: str = ""
+    chunks: list[dict[str, Any]] = field(default_factory=list)
+    ids: tuple[int, ...] | None = ()
+    """The ids completed by the last chunk taken (None: no longer exactly known)."""
+    lost: bool = False
+
+    def take(self, chunk: dict[str, Any]) -> str | None:
+        """Keep one chunk; the progress to report for it (the answer's id and creation
+        time, with ``ids``), or None."""
+        released = self.trail.follow(chunk) if self.trail is not None and not self.lost else ()
+        self.chunks += [chunk] if self.splice is None else list(self.splice.chunks(chunk))
+        if self.trail is not None and self.trail.lost and not self.lost:
+            self.lost = True  # (a tool call, reasoning): reported once, the ids no longer do
+            self.ids = None
+        elif not released:
+            return None  # none completed here (or text held back: the client has none yet)
+        else:
+            self.ids = released
+        head = self.chunks[-1] if self.chunks else chunk
+        return orjson.dumps({"id": head.get("id"), "created": head.get("created")}).decode()
+
+    def answer(self, endpoint: Endpoint) -> dict[str, Any]:
+        body = aggregate(self.chunks, endpoint)
+        if self.before:
+            for choice in body["choices"][:1]:
+                if "message" in choice:
+                    message = choice["message"]
+                    message["content"] = self.before + (message.get("content") or "")
+                else:
+                    choice["text"] = self.before + choice["text"]
+        return body
 
 
 def _length_end(chat: bool) -> dict[str, Any]:

@@ -203,9 +203,26 @@ def test_an_answer_goes_on_when_its_llama_server_dies(fleet: Fleet) -> None:
     report(fleet, "kill -9 llama-server", answer)
 
 
+def test_a_frozen_workers_answer_goes_on_before_its_heartbeats_time_out(fleet: Fleet) -> None:
+    fleet.ready()
+
+    def freeze(worker: str) -> None:
+        fleet.frozen.append(fleet.procs[worker])
+        fleet.procs[worker].signal(signal.SIGSTOP)
+
+    answer = ask(fleet.router, freeze)
+    check_same(answer, fleet.reference)
+    assert answer.resumed_after_s is not None and answer.resumed_after_s < 6  # not 10 s
+    assert fleet.resumed("stall") == 1
+    report(fleet, "SIGSTOP worker", answer)
+
+
 def serving(fleet: Fleet) -> tuple[str, str] | None:
     """The worker running the one job in flight, and its llama-server's address."""
-    busy = [w for r in fleet.routers for w in r.workers() if w["running_jobs"]]
+    frozen = [worker for worker, proc in fleet.procs.items() if proc in fleet.frozen]
+    busy = [
+        w for r in fleet.routers for w in r.workers() if w["running_jobs"] and w["id"] not in frozen
+    ]
     return (busy[0]["id"], busy[0]["backend_url"]) if len(busy) == 1 else None
 
 
@@ -244,20 +261,6 @@ def test_a_killed_workers_non_streamed_answer_goes_on_and_comes_whole(fleet: Fle
     counts = ("prompt_tokens", "completion_tokens", "total_tokens")
     assert {k: answer["usage"][k] for k in counts} == {k: expected[k] for k in counts}
     assert fleet.resumed("connection") == before + 1
-
-
-def test_a_frozen_workers_answer_goes_on_before_its_heartbeats_time_out(fleet: Fleet) -> None:
-    fleet.ready()
-
-    def freeze(worker: str) -> None:
-        fleet.frozen.append(fleet.procs[worker])
-        fleet.procs[worker].signal(signal.SIGSTOP)
-
-    answer = ask(fleet.router, freeze)
-    check_same(answer, fleet.reference)
-    assert answer.resumed_after_s is not None and answer.resumed_after_s < 6  # not 10 s
-    assert fleet.resumed("stall") == 1
-    report(fleet, "SIGSTOP worker", answer)
 
 
 def test_a_pull_workers_answer_goes_on_when_its_llama_server_dies(

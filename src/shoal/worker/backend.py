@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -25,11 +25,11 @@ from shoal.protocol.messages import (
     JobResult,
     JobStart,
 )
-from shoal.worker.aggregate import aggregate
 from shoal.worker.continuation import (
     NotResumable,
     Splice,
     TokenTrail,
+    WholeAnswer,
     client_wants_logprobs,
     continuation,
     remaining_tokens,
@@ -195,7 +195,7 @@ class Backend:
                 elif self._collects(job):
                     chat = job.endpoint is Endpoint.CHAT
                     trail = TokenTrail(strip=True, chat=chat) if self._tracks(job) else None
-                    await self._collect(job, resp, out, _Collected(trail), progress)
+                    await self._collect(job, resp, out, WholeAnswer(trail), progress)
                 elif not job.stream:
                     out.send(
                         JobResult(
@@ -281,7 +281,7 @@ class Backend:
         if not job.stream:
             splice.include_usage = True  # the whole answer has its usage
             if left is not None and left <= 0:  # lost between its last token and its end
-                collected = _Collected(None, splice, before)
+                collected = WholeAnswer(None, splice, before)
                 collected.take(_length_end(chat))
                 body_out = orjson.dumps(collected.answer(job.endpoint)).decode()
                 out.send(JobResult(job_id=job.job_id, body=self._rename(body_out)))
@@ -299,7 +299,7 @@ class Backend:
             strip = not client_wants_logprobs(job.body, job.endpoint)
             trail = TokenTrail(strip=strip, chat=False)
             if not job.stream:
-                collected = _Collected(trail, splice, before)
+                collected = WholeAnswer(trail, splice, before)
                 await self._collect(job, resp, out, collected, _Progress(started=True))
                 return
             await self._relay(job, resp, out, trail, splice, _Progress(started=True))
@@ -371,7 +371,7 @@ class Backend:
         job: JobStart,
         resp: aiohttp.ClientResponse,
         out: JobSink,
-        collected: _Collected,
+        collected: WholeAnswer,
         progress: _Progress,
     ) -> None:
         """Assemble a non-streamed answer from the backend's stream, reporting its token ids
@@ -399,47 +399,6 @@ class Backend:
                     out.chunk(job.job_id, head, collected.ids)
                     progress.started = True
         raise aiohttp.ClientPayloadError("the backend ended the stream without [DONE]")
-
-
-@dataclass
-class _Collected:
-    """A non-streamed answer being assembled from the backend's chunks, and its token ids
-    (``trail``; through ``splice`` with ``before``, the text already produced, when going on
-    with an answer another worker began)."""
-
-    trail: TokenTrail | None = None
-    splice: Splice | None = None
-    before: str = ""
-    chunks: list[dict[str, Any]] = field(default_factory=list)
-    ids: tuple[int, ...] | None = ()
-    """The ids completed by the last chunk taken (None: no longer exactly known)."""
-    lost: bool = False
-
-    def take(self, chunk: dict[str, Any]) -> str | None:
-        """Keep one chunk; the progress to report for it (the answer's id and creation
-        time, with ``ids``), or None."""
-        released = self.trail.follow(chunk) if self.trail is not None and not self.lost else ()
-        self.chunks += [chunk] if self.splice is None else list(self.splice.chunks(chunk))
-        if self.trail is not None and self.trail.lost and not self.lost:
-            self.lost = True  # (a tool call, reasoning): reported once, the ids no longer do
-            self.ids = None
-        elif not released:
-            return None  # none completed here (or text held back: the client has none yet)
-        else:
-            self.ids = released
-        head = self.chunks[-1] if self.chunks else chunk
-        return orjson.dumps({"id": head.get("id"), "created": head.get("created")}).decode()
-
-    def answer(self, endpoint: Endpoint) -> dict[str, Any]:
-        body = aggregate(self.chunks, endpoint)
-        if self.before:
-            for choice in body["choices"][:1]:
-                if "message" in choice:
-                    message = choice["message"]
-                    message["content"] = self.before + (message.get("content") or "")
-                else:
-                    choice["text"] = self.before + choice["text"]
-        return body
 
 
 def _length_end(chat: bool) -> dict[str, Any]:

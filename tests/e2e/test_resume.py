@@ -217,19 +217,22 @@ def test_a_frozen_workers_answer_goes_on_before_its_heartbeats_time_out(fleet: F
     report(fleet, "SIGSTOP worker", answer)
 
 
-def serving(fleet: Fleet) -> tuple[str, str] | None:
-    """The worker running the one job in flight, and its llama-server's address."""
-    frozen = [worker for worker, proc in fleet.procs.items() if proc in fleet.frozen]
-    busy = [
-        w for r in fleet.routers for w in r.workers() if w["running_jobs"] and w["id"] not in frozen
-    ]
-    return (busy[0]["id"], busy[0]["backend_url"]) if len(busy) == 1 else None
-
-
 def decoded(backend_url: str) -> int:
     """Tokens llama-server has generated for the answer it is working on."""
-    slots = httpx.get(backend_url + "/slots", timeout=2).json()
+    try:
+        slots = httpx.get(backend_url + "/slots", timeout=2).json()
+    except httpx.HTTPError:  # a llama-server restarting
+        return 0
     return max((s["next_token"][0]["n_decoded"] for s in slots if s["is_processing"]), default=0)
+
+
+def generating(fleet: Fleet) -> tuple[str, str] | None:
+    """The live worker whose llama-server is generating the answer in flight, and its
+    address (asked of every llama-server: a router's list may lag, with Redis)."""
+    live = {worker for worker, p in fleet.procs.items() if p.alive() and p not in fleet.frozen}
+    backends = {w["id"]: w["backend_url"] for r in fleet.routers for w in r.workers()}
+    busy = [(w, url) for w, url in backends.items() if w in live and decoded(url) > 0]
+    return busy[0] if len(busy) == 1 else None
 
 
 def test_a_killed_workers_non_streamed_answer_goes_on_and_comes_whole(fleet: Fleet) -> None:
@@ -243,10 +246,10 @@ def test_a_killed_workers_non_streamed_answer_goes_on_and_comes_whole(fleet: Fle
     url = fleet.router.url + "/v1/chat/completions"
     with ThreadPoolExecutor(1) as pool:
         reply = pool.submit(httpx.post, url, json=body, headers=headers, timeout=60)
-        worker, backend = wait_until(lambda: serving(fleet), 30, "the job to start")
         # The worker relays each id as llama-server streams it: by FAULT_AFTER tokens the
         # router has the first ones.
-        wait_until(lambda: decoded(backend) >= FAULT_AFTER, 30, "tokens", every=0.02)
+        worker, backend = wait_until(lambda: generating(fleet), 30, "the answer to start")
+        wait_until(lambda: decoded(backend) >= FAULT_AFTER, 30, "tokens", every=0.01)
         fleet.procs[worker].signal(signal.SIGKILL)
         r = reply.result()
     assert r.status_code == 200, r.text

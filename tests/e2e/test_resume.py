@@ -10,6 +10,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,7 @@ import httpx
 import pytest
 import redis
 
-from cluster import API_KEY, MODEL, Cluster, Proc, Router, iter_sse
+from cluster import API_KEY, MODEL, Cluster, Proc, Router, iter_sse, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -101,7 +102,7 @@ ROUTER_ARGS = ("--heartbeat-misses", "10", "--stall-timeout", "2")
 @dataclass
 class Fleet:
     """Routers and workers for this module's faults (each test loses a worker). In-process:
-    one router, three workers; with Redis: two routers, three workers each (the client calls
+    one router, four workers; with Redis: two routers, three workers each (the client calls
     the first; its answer may run on a worker of either)."""
 
     routers: list[Router]
@@ -137,7 +138,7 @@ def fleet(session_cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[
     shared = ("--redis-url", REDIS_URL, "--redis-prefix", prefix)
     if request.param == "memory":
         routers = [session_cluster.router(*ROUTER_ARGS)]
-        placement = {"w1": 0, "w2": 0, "w3": 0}
+        placement = {"w1": 0, "w2": 0, "w3": 0, "w4": 0}
     else:
         routers = [session_cluster.router(*ROUTER_ARGS, *shared) for _ in range(2)]
         # three per router: after a worker is killed, whichever router the frozen worker is
@@ -216,6 +217,55 @@ def test_a_frozen_workers_answer_goes_on_before_its_heartbeats_time_out(fleet: F
     assert answer.resumed_after_s is not None and answer.resumed_after_s < 6  # not 10 s
     assert fleet.resumed("stall") == 1
     report(fleet, "SIGSTOP worker", answer)
+
+
+def decoded(backend_url: str) -> int:
+    """Tokens llama-server has generated for the answer it is working on."""
+    try:
+        slots = httpx.get(backend_url + "/slots", timeout=2).json()
+    except httpx.HTTPError:  # a llama-server restarting
+        return 0
+    return max((s["next_token"][0]["n_decoded"] for s in slots if s["is_processing"]), default=0)
+
+
+def generating(fleet: Fleet) -> tuple[str, str] | None:
+    """The live worker whose llama-server is generating the answer in flight, and its
+    address (asked of every llama-server: a router's list may lag, with Redis)."""
+    live = {worker for worker, p in fleet.procs.items() if p.alive() and p not in fleet.frozen}
+    backends = {w["id"]: w["backend_url"] for r in fleet.routers for w in r.workers()}
+    busy = [(w, url) for w, url in backends.items() if w in live and decoded(url) > 0]
+    return busy[0] if len(busy) == 1 else None
+
+
+def test_a_killed_workers_non_streamed_answer_goes_on_and_comes_whole(fleet: Fleet) -> None:
+    """The worker reports the ids of a non-streamed answer as progress the client does not
+    get; killed once its llama-server generated some, another worker goes on from them (not
+    from the start: counted as a resume) and the client gets the whole answer."""
+    fleet.ready()
+    before = fleet.resumed("connection")
+    body = {k: v for k, v in BODY.items() if k not in ("stream", "stream_options")}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    url = fleet.router.url + "/v1/chat/completions"
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(httpx.post, url, json=body, headers=headers, timeout=60)
+        # The worker relays each id as llama-server streams it: by FAULT_AFTER tokens the
+        # router has the first ones.
+        worker, backend = wait_until(lambda: generating(fleet), 30, "the answer to start")
+        wait_until(lambda: decoded(backend) >= FAULT_AFTER, 30, "tokens", every=0.01)
+        fleet.procs[worker].signal(signal.SIGKILL)
+        r = reply.result()
+    assert r.status_code == 200, r.text
+    assert r.headers["x-shoal-worker"] != worker
+    answer = r.json()
+    [choice] = answer["choices"]
+    assert choice["message"]["content"] == fleet.reference.text
+    assert choice["message"]["role"] == "assistant"
+    assert choice["finish_reason"] == "length"
+    assert answer["object"] == "chat.completion"
+    [expected] = fleet.reference.usage
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert {k: answer["usage"][k] for k in counts} == {k: expected[k] for k in counts}
+    assert fleet.resumed("connection") == before + 1
 
 
 def test_a_pull_workers_answer_goes_on_when_its_llama_server_dies(

@@ -17,12 +17,20 @@ from hypothesis import strategies as st
 
 from cluster import free_port, wait_until
 from shoal.protocol.ids import JobId, ModelName
-from shoal.protocol.messages import Continuation, Endpoint, JobDone, JobFailed, JobStart
+from shoal.protocol.messages import (
+    Continuation,
+    Endpoint,
+    JobDone,
+    JobFailed,
+    JobResult,
+    JobStart,
+)
 from shoal.worker.backend import Backend, BackendTarget
 from shoal.worker.continuation import (
     NotResumable,
     Splice,
     TokenTrail,
+    WholeAnswer,
     continuation,
     with_token_ids,
 )
@@ -156,6 +164,34 @@ def test_the_splice_makes_completion_chunks_the_rest_of_a_chat_stream() -> None:
     assert usage["timings"] == {"predicted_n": 5, "prompt_n": 0, "cache_n": 10}
 
 
+def test_a_whole_answer_reports_its_ids_as_progress_until_they_no_longer_spell_it() -> None:
+    whole = WholeAnswer(TokenTrail(strip=True, chat=True))
+    head = {"id": "chatcmpl-1", "created": 7}
+    assert whole.take({**head, **_chat_chunk({"role": "assistant", "content": None})}) is None
+    progress = whole.take({**head, **_chat_chunk({"content": "Hi"}, (5, b"Hi"))})
+    assert progress is not None and orjson.loads(progress) == head and whole.ids == (5,)
+    assert whole.take(_chat_chunk({"content": ""}, (6, b" t"))) is None  # text held back
+    assert whole.take(_chat_chunk({"content": " t"})) is not None and whole.ids == (6,)
+    assert whole.take(_chat_chunk({"tool_calls": [{"index": 0}]}, (8, b"{"))) is not None
+    assert whole.ids is None  # reported once: the ids no longer spell the answer
+    assert whole.take(_chat_chunk({"content": "x"}, (9, b"x"))) is None
+    [choice] = whole.answer(Endpoint.CHAT)["choices"]
+    assert choice["message"]["content"] == "Hi tx" and "logprobs" not in choice
+
+
+def test_a_whole_answer_that_goes_on_puts_the_text_before_first() -> None:
+    resume = Continuation(tokens=(1, 2), id="cmpl-orig", created=3)
+    splice = Splice(Endpoint.COMPLETIONS, resume, include_usage=True)
+    whole = WholeAnswer(TokenTrail(strip=True, chat=False), splice, "Once upon")
+    whole.take({"id": "x", "created": 9, **_text_chunk(" a", (3, b" a"))})
+    end = {"choices": [{"text": "", "index": 0, "finish_reason": "length"}]}
+    whole.take({"id": "x", "created": 9, **end, "usage": {"prompt_tokens": 12}})
+    answer = whole.answer(Endpoint.COMPLETIONS)
+    assert answer["id"] == "cmpl-orig" and answer["created"] == 3
+    assert answer["choices"][0]["text"] == "Once upon a"
+    assert answer["usage"] == {"prompt_tokens": 10, "completion_tokens": 2}
+
+
 # ---------------------------------------------------------------- a real llama-server
 
 
@@ -275,6 +311,47 @@ async def test_going_on_gives_exactly_the_uninterrupted_answer(
             if c.get("finish_reason")
         ]
         assert finish == ["length"]
+
+
+@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.COMPLETIONS])
+async def test_a_non_streamed_answer_goes_on_and_comes_whole(
+    backend: Backend, endpoint: Endpoint
+) -> None:
+    """Its ids come as progress; going on from any of them gives the uninterrupted answer,
+    with the first run's id and creation time."""
+    chat = endpoint is Endpoint.CHAT
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "Write a poem about the sea. ✨"}]
+    else:
+        body["prompt"] = "Once upon a time, in a village by the sea,"
+    job = JobStart(
+        job_id=JobId("j1"), model=ModelName(MODEL), endpoint=endpoint, stream=False, body=body
+    )
+    whole = ListSink()
+    await backend.run(job, whole)
+    [result] = whole.outcomes
+    assert isinstance(result, JobResult)
+    expected = orjson.loads(result.body)
+    assert "logprobs" not in expected["choices"][0] or expected["choices"][0]["logprobs"] is None
+    ids = [t for _, tokens in whole.chunks for t in tokens or ()]
+    assert len(ids) == 40  # every generated token is named, once
+    head = whole.chunks[0][0]
+    assert head == {"id": expected["id"], "created": expected["created"]}
+    for at in (1, 10, len(whole.chunks) - 1):
+        _, produced = _cut(whole, at)
+        resume = Continuation(tokens=tuple(produced), id=head["id"], created=head["created"])
+        rest = ListSink()
+        again = job.model_copy(update={"job_id": JobId("j2"), "resume": resume, "attempt": 2})
+        await backend.run(again, rest)
+        [done] = rest.outcomes
+        assert isinstance(done, JobResult)
+        answer = orjson.loads(done.body)
+        assert (answer["id"], answer["created"]) == (expected["id"], expected["created"])
+        assert answer["choices"] == expected["choices"]
+        counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+        assert {k: answer["usage"][k] for k in counts} == {k: expected["usage"][k] for k in counts}
+        assert answer["timings"]["predicted_n"] == 40
 
 
 async def test_a_request_that_cannot_go_on_fails_as_a_lost_worker(backend: Backend) -> None:

@@ -21,7 +21,7 @@ RESUMABLE = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
 @dataclass(slots=True)
 class AnswerSoFar:
     started: bool = False
-    """Output was sent on."""
+    """Output was sent on (for a non-streamed job: progress, the client has nothing yet)."""
     tokens: list[int] = field(default_factory=list)
     """The ids of the tokens the client has, from every run."""
     exact: bool = True
@@ -54,15 +54,15 @@ class AnswerSoFar:
             self.tokens += tokens
 
     def continuation(
-        self, endpoint: Endpoint, stream: bool, resumes: int, resume_attempts: int
+        self, endpoint: Endpoint, resumes: int, resume_attempts: int
     ) -> Continuation | None:
         """What another worker needs to go on, or None when it may not: nothing sent yet,
-        not streamed, not text, ids not exactly known, or out of resume attempts."""
+        not text, ids not exactly known, or out of resume attempts. (A non-streamed job
+        sends its ids as progress the client does not get; it goes on and is answered whole.)"""
         if (
             not self.started
             or not self.exact
             or not self.known
-            or not stream
             or endpoint not in RESUMABLE
             or resumes >= resume_attempts
         ):

@@ -27,11 +27,11 @@ from shoal.protocol.messages import (
     JobResult,
     JobStart,
 )
-from shoal.worker.aggregate import aggregate
 from shoal.worker.continuation import (
     NotResumable,
     Splice,
     TokenTrail,
+    WholeAnswer,
     client_wants_logprobs,
     continuation,
     remaining_tokens,
@@ -104,6 +104,7 @@ async def sse_data(content: aiohttp.StreamReader) -> AsyncIterator[list[str]]:
 @dataclass
 class _Progress:
     started: bool = False
+    """Output (or, for a non-streamed job, its token ids) was sent on."""
     on_first: Callable[[], None] | None = None
     """Called at the first output (the prompt is computed)."""
 
@@ -149,6 +150,17 @@ class Backend:
     def _pin(self, job: JobStart) -> contextlib.AbstractAsyncContextManager[Pin | None]:
         return self.pinning.pin(job) if self.pinning else contextlib.nullcontext()
 
+    def _tracks(self, job: JobStart) -> bool:
+        """Whether this non-streamed job reports its token ids as progress (chunks the router
+        keeps and never sends on), to go on elsewhere and be answered whole. Not when the
+        client asked for log-probabilities: those of the tokens before would be missing."""
+        return (
+            self.target.token_ids
+            and self._collects(job)
+            and job.endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS)
+            and not client_wants_logprobs(job.body, job.endpoint)
+        )
+
     def _request_body(self, job: JobStart, pin: Pin | None = None) -> bytes:
         body: dict[str, Any] = dict(job.body)
         if pin is not None:
@@ -158,7 +170,7 @@ class Backend:
         if self._collects(job):
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
-        if self._trails(job):
+        if self._trails(job) or self._tracks(job):
             body = with_token_ids(body, job.endpoint)
         return orjson.dumps(body)
 
@@ -233,7 +245,9 @@ class Backend:
                 )
             )
         elif self._collects(job):
-            await self._collect(job, resp, out, progress)
+            chat = job.endpoint is Endpoint.CHAT
+            trail = TokenTrail(strip=True, chat=chat) if self._tracks(job) else None
+            await self._collect(job, resp, out, WholeAnswer(trail), progress)
         elif not job.stream:
             body = self._rename((await resp.read()).decode())
             out.send(JobResult(job_id=job.job_id, body=body))
@@ -283,7 +297,7 @@ class Backend:
             include_usage=isinstance(options, dict) and bool(options.get("include_usage")),
         )
         left = remaining_tokens(job.body, len(resume.tokens))
-        if left is not None and left <= 0:  # lost between its last token and its end
+        if left is not None and left <= 0 and job.stream:  # lost between its end and [DONE]
             for chunk in splice.chunks(_length_end(chat)):
                 out.chunk(job.job_id, orjson.dumps(chunk).decode(), ())
             out.send(JobDone(job_id=job.job_id))
@@ -291,11 +305,20 @@ class Backend:
         try:
             prompt = await self._chat_prompt(job.body) if chat else None
             body = continuation(job.body, job.endpoint, resume, prompt)
+            before = "" if job.stream else await self._text_of(resume.tokens)
             if pin is not None:
                 body["id_slot"] = pin.slot
         except NotResumable as exc:
             out.send(_not_resumable(job, str(exc)))
             return
+        if not job.stream:
+            splice.include_usage = True  # the whole answer has its usage
+            if left is not None and left <= 0:  # lost between its last token and its end
+                collected = WholeAnswer(None, splice, before)
+                collected.take(_length_end(chat))
+                body_out = orjson.dumps(collected.answer(job.endpoint)).decode()
+                out.send(JobResult(job_id=job.job_id, body=self._rename(body_out)))
+                return
         log.info(
             "job %s model=%s: going on after %d tokens", job.job_id, job.model, len(resume.tokens)
         )
@@ -308,7 +331,25 @@ class Backend:
                 return
             strip = not client_wants_logprobs(job.body, job.endpoint)
             trail = TokenTrail(strip=strip, chat=False)
+            if not job.stream:
+                collected = WholeAnswer(trail, splice, before)
+                await self._collect(job, resp, out, collected, _Progress(started=True))
+                return
             await self._relay(job, resp, out, trail, splice, _Progress(started=True))
+
+    async def _text_of(self, tokens: tuple[int, ...]) -> str:
+        """The text of ``tokens`` as llama-server spells them: what a non-streamed answer had
+        produced before its worker was lost (exactly: ids are sent only where the text so
+        far is exactly theirs)."""
+        url = self.base_url() + "/detokenize"
+        async with await self._post(url, orjson.dumps({"tokens": list(tokens)})) as resp:
+            raw = await resp.read()
+            if resp.status != 200:
+                raise NotResumable(error_from_body(resp.status, raw).message)
+        content = orjson.loads(raw).get("content")
+        if not isinstance(content, str):
+            raise NotResumable("/detokenize gave no text")
+        return content
 
     async def _chat_prompt(self, body: dict[str, Any]) -> str:
         url = self.base_url() + "/apply-template"
@@ -360,13 +401,19 @@ class Backend:
         raise aiohttp.ClientPayloadError("the backend ended the stream without [DONE]")
 
     async def _collect(
-        self, job: JobStart, resp: aiohttp.ClientResponse, out: JobSink, progress: _Progress
+        self,
+        job: JobStart,
+        resp: aiohttp.ClientResponse,
+        out: JobSink,
+        collected: WholeAnswer,
+        progress: _Progress,
     ) -> None:
-        chunks: list[dict[str, Any]] = []
+        """Assemble a non-streamed answer from the backend's stream, reporting its token ids
+        as they come when ``collected`` follows them."""
         async for batch in sse_data(resp.content):
             for data in batch:
                 if data == "[DONE]":
-                    body = orjson.dumps(aggregate(chunks, job.endpoint)).decode()
+                    body = orjson.dumps(collected.answer(job.endpoint)).decode()
                     out.send(JobResult(job_id=job.job_id, body=self._rename(body)))
                     await _finish_body(resp)
                     return
@@ -382,7 +429,10 @@ class Backend:
                     out.send(JobFailed(job_id=job.job_id, status=500, error=err))
                     return
                 progress.first()
-                chunks.append(chunk)
+                head = collected.take(chunk)
+                if head is not None:
+                    out.chunk(job.job_id, head, collected.ids)
+                    progress.started = True
         raise aiohttp.ClientPayloadError("the backend ended the stream without [DONE]")
 
 

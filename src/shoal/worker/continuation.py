@@ -17,7 +17,9 @@ it would the original, with its special tokens, and takes the ids as they are). 
 the original prompt is llama-server's own rendering of the messages (``/apply-template``).
 ``Splice`` turns that completion's chunks into the rest of the client's stream: the same
 id and creation time, chat chunks for a chat, usage counting the prompt once and every
-completion token.
+completion token. ``WholeAnswer`` does the same for a non-streamed answer: its ids go to
+the router as progress the client does not get, and the worker going on puts the text of
+the ids before the rest, so that the client gets one whole answer.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from shoal.protocol.messages import Continuation, Endpoint
+from shoal.worker.aggregate import aggregate
 
 _LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "n_predict")
 _CHAT_ONLY = (
@@ -261,6 +266,47 @@ class Splice:
         if out and chunk.get("timings"):
             out[-1]["timings"] = chunk["timings"]
         yield from out
+
+
+@dataclass
+class WholeAnswer:
+    """A non-streamed answer assembled from llama-server's stream (``aggregate``), and its
+    token ids as progress (``trail``); through ``splice``, with ``before`` (the text of the
+    ids already produced), when going on with an answer another worker began."""
+
+    trail: TokenTrail | None = None
+    splice: Splice | None = None
+    before: str = ""
+    chunks: list[dict[str, Any]] = field(default_factory=list)
+    ids: tuple[int, ...] | None = ()
+    """The ids completed by the last chunk taken (None: no longer exactly known)."""
+    lost: bool = False
+
+    def take(self, chunk: dict[str, Any]) -> str | None:
+        """Keep one chunk; the progress to report for it (the answer's id and creation
+        time, with ``ids``), or None."""
+        released = self.trail.follow(chunk) if self.trail is not None else ()  # (strips)
+        self.chunks += [chunk] if self.splice is None else list(self.splice.chunks(chunk))
+        if self.trail is not None and self.trail.lost and not self.lost:
+            self.lost = True  # (a tool call, reasoning): reported once, the ids no longer do
+            self.ids = None
+        elif not released:
+            return None  # none completed here (or text held back: the client has none yet)
+        else:
+            self.ids = released
+        head = self.chunks[-1] if self.chunks else chunk
+        return orjson.dumps({"id": head.get("id"), "created": head.get("created")}).decode()
+
+    def answer(self, endpoint: Endpoint) -> dict[str, Any]:
+        body = aggregate(self.chunks, endpoint)
+        if self.before:
+            for choice in body["choices"][:1]:
+                if "message" in choice:
+                    message = choice["message"]
+                    message["content"] = self.before + (message.get("content") or "")
+                else:
+                    choice["text"] = self.before + choice["text"]
+        return body
 
 
 def _fix_timings(timings: dict[str, Any], produced: int) -> None:

@@ -333,6 +333,8 @@ class RedisPuller:
         if held is None:
             return  # stopped (cancelled, taken over) while the chunk was on its way
         held.answer.take(data, tokens)
+        if not held.claimed.job.stream:
+            return  # progress: kept to go on from, the answer is published whole
         self._send((held.claimed, events.Data(data)))
         if tokens is not None or held.answer.tokens:  # else nothing is known of its tokens
             self._send((held.claimed, trail_of(tokens, held.answer)))
@@ -370,7 +372,7 @@ class RedisPuller:
             return None
         job = held.claimed.job
         resumes = held.claimed.resumes
-        return held.answer.continuation(job.endpoint, job.stream, resumes, self.resume_attempts)
+        return held.answer.continuation(job.endpoint, resumes, self.resume_attempts)
 
     def _send(self, item: Outgoing) -> None:
         self.loops.send(item)

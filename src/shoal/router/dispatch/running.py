@@ -15,6 +15,9 @@ into Redis. The rules live here once:
   is lost or its backend died, at most ``--resume-attempts`` times: the next worker is given
   the ids of every token the client has (``Continuation``, learned from ``Chunk.tokens``) and
   continues the same stream; a job whose tokens are not exactly known fails as above;
+* a non-streamed one goes on the same way: its worker sends its ids as chunks that are
+  progress only (kept here, never sent on: the client gets one whole answer); when it cannot
+  go on it runs again, as the client has nothing yet;
 * frames from a worker that no longer holds the job (cancelled, taken over) are dropped.
 
 ``T`` is the dispatcher's handle on a job (the ``Job`` itself in-process, the Redis claim).
@@ -230,6 +233,8 @@ class Running(Generic[T]):
         if placed is None:
             return
         placed.answer.take(data, tokens)
+        if not placed.job.stream:
+            return  # progress: the ids so far, to go on from (the answer comes whole)
         self._sink.output(placed.ticket, Data(data), now)
         self._sink.trail(placed.ticket, tokens, placed.answer)
 
@@ -250,6 +255,8 @@ class Running(Generic[T]):
             self._sink.run_again(placed.ticket, why)
         elif (msg.retryable or msg.resumable) and self._go_on(placed, why, "backend"):
             pass  # (retryable: a run that was to go on never reached the model: again)
+        elif msg.resumable and not placed.job.stream and self._may_run_again(placed):
+            self._sink.run_again(placed.ticket, why)  # the client has nothing yet
         else:
             log.warning(
                 "job %s model=%s failed on worker %s: %s %s",
@@ -269,10 +276,10 @@ class Running(Generic[T]):
         answered in part; fail the rest with a 502. ``reason``: the resume metric's label."""
         for placed in [p for p in self._placed.values() if p.worker is worker]:
             self._release(placed.job.id)
+            if self._go_on(placed, f"worker {worker.id} lost: {why}", reason):
+                continue  # (nothing sent yet: no continuation, it may run again below)
             if self._may_run_again(placed):
                 self._sink.run_again(placed.ticket, f"worker {worker.id} lost: {why}")
-                continue
-            if self._go_on(placed, f"worker {worker.id} lost: {why}", reason):
                 continue
             log.warning(
                 "job %s model=%s failed: worker %s lost mid-answer (%s)",
@@ -285,14 +292,14 @@ class Running(Generic[T]):
         self._capacity()
 
     def _may_run_again(self, placed: Placed[T]) -> bool:
-        return not placed.answer.started and placed.attempt <= self._max_requeues
+        """Nothing reached the client (a non-streamed job's progress never does)."""
+        fresh = not placed.answer.started or not placed.job.stream
+        return fresh and placed.attempt <= self._max_requeues
 
     def _go_on(self, placed: Placed[T], why: str, reason: str) -> bool:
         """Hand an answer begun here to the sink to go on elsewhere, when it may."""
         job = placed.job
-        resume = placed.answer.continuation(
-            job.endpoint, job.stream, job.resumes, self._resume_attempts
-        )
+        resume = placed.answer.continuation(job.endpoint, job.resumes, self._resume_attempts)
         if resume is None:
             return False
         placed.job.avoid = placed.worker.id

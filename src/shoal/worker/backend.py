@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from shoal.protocol.ids import JobId
 from shoal.protocol.messages import (
     Continuation,
     Endpoint,
@@ -265,15 +266,7 @@ class Backend:
             return
         async for batch in sse_data(resp.content):
             for data in batch:
-                if data == "[DONE]":
-                    out.send(JobDone(job_id=job_id))
-                    await _finish_body(resp)
-                    return
-                if data.startswith('{"error"'):
-                    err = error_from_body(500, data.encode())
-                    out.send(
-                        JobFailed(job_id=job_id, status=500, error=err, started=progress.started)
-                    )
+                if await _ended(data, job_id, resp, out, started=progress.started):
                     return
                 if data == "null":  # llama-server's placeholder for a prompt with no output yet
                     continue
@@ -377,13 +370,7 @@ class Backend:
         carry: list[int] = []
         async for batch in sse_data(resp.content):
             for data in batch:
-                if data == "[DONE]":
-                    out.send(JobDone(job_id=job_id))
-                    await _finish_body(resp)
-                    return
-                if data.startswith('{"error"'):
-                    err = error_from_body(500, data.encode())
-                    out.send(JobFailed(job_id=job_id, status=500, error=err, started=True))
+                if await _ended(data, job_id, resp, out, started=True):
                     return
                 if data == "null":
                     continue
@@ -434,6 +421,22 @@ class Backend:
                     out.chunk(job.job_id, head, collected.ids)
                     progress.started = True
         raise aiohttp.ClientPayloadError("the backend ended the stream without [DONE]")
+
+
+async def _ended(
+    data: str, job_id: JobId, resp: aiohttp.ClientResponse, out: JobSink, *, started: bool
+) -> bool:
+    """Whether ``data`` ends a streamed answer: ``[DONE]``, or llama-server's error event
+    (reported as the job's failure; ``started``: output had gone out)."""
+    if data == "[DONE]":
+        out.send(JobDone(job_id=job_id))
+        await _finish_body(resp)
+        return True
+    if data.startswith('{"error"'):
+        err = error_from_body(500, data.encode())
+        out.send(JobFailed(job_id=job_id, status=500, error=err, started=started))
+        return True
+    return False
 
 
 def _length_end(chat: bool) -> dict[str, Any]:

@@ -7,7 +7,6 @@ a job cannot be assigned twice and a slot cannot be counted twice.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter
@@ -17,7 +16,7 @@ from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import Continuation, Endpoint
 from shoal.queue.answer import AnswerSoFar
 from shoal.queue.events import OutputEvent
-from shoal.router.dispatch import answers
+from shoal.router.dispatch import answers, places
 from shoal.router.dispatch.answers import UnavailableReason
 from shoal.router.dispatch.directory import RemoteWorker
 from shoal.router.dispatch.fair_queue import FairQueue, QueueFull, Tenant
@@ -30,9 +29,6 @@ from shoal.router.settings import RouterSettings
 from shoal.router.workers import Registry
 
 log = logging.getLogger(__name__)
-
-QUEUE_REPORT_S = 2.0
-"""A waiting stream hears its place in the queue at least this often (``: queued position=``)."""
 
 
 def queue_key(job: Job) -> tuple[ModelName, Endpoint]:
@@ -157,27 +153,18 @@ class MemoryDispatcher:
     def queue_positions(self, job: Job) -> AsyncIterator[int] | None:
         return self._positions(job) if job.state is JobState.QUEUED else None
 
-    async def _positions(self, job: Job) -> AsyncIterator[int]:
-        """The job's place while it waits: at once, on every change, and every
-        ``QUEUE_REPORT_S``; past ``--max-wait`` the 503 of ``wait_assigned``."""
-        deadline = job.queued_at + self.settings.max_wait
-        last: int | None = None
-        reported = 0.0
-        while job.state is JobState.QUEUED:
-            now = time.monotonic()
+    def _positions(self, job: Job) -> AsyncIterator[int]:
+        """The job's place while it waits (``places.report``); past ``--max-wait`` the 503
+        of ``wait_assigned``."""
+
+        def place(now: float) -> int | None:
             queue = self._queue(job)
-            if job in queue:
-                place = queue.position(job, now)
-                if place != last or now - reported >= QUEUE_REPORT_S:
-                    yield place
-                    last, reported = place, time.monotonic()
-            if now >= deadline:
-                await self.wait_assigned(job)  # withdraws it and raises the 503
-                return
-            moved = self._moved
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(QUEUE_REPORT_S, deadline - now)):
-                    await moved.wait()
+            return queue.position(job, now) if job in queue else None
+
+        deadline = job.queued_at + self.settings.max_wait
+        return places.report(
+            job, deadline, place, lambda: self._moved, lambda: self.wait_assigned(job)
+        )
 
     def _queue_moved(self) -> None:
         moved, self._moved = self._moved, asyncio.Event()

@@ -59,7 +59,7 @@ from shoal.queue.redis_support import (
 )
 from shoal.queue.redis_support import QueueFull as RedisQueueFull
 from shoal.queue.redis_tail import OutputTail
-from shoal.router.dispatch import answers
+from shoal.router.dispatch import answers, places
 from shoal.router.dispatch.answers import UnavailableReason
 from shoal.router.dispatch.directory import RemoteWorker, WorkerDirectory
 from shoal.router.dispatch.fair_queue import Priority
@@ -80,8 +80,6 @@ POSITIONS_INTERVAL_S = 0.5
 FIRST_PLACE_AFTER_S = 0.25
 """A job still waiting this long after it was queued hears its place (before, it may be
 claimed at once by a free worker anywhere, and would not have waited)."""
-QUEUE_REPORT_S = 2.0
-"""A waiting stream hears its place at least this often (as ``memory.QUEUE_REPORT_S``)."""
 
 
 def consumer_name() -> str:
@@ -391,7 +389,7 @@ class RedisDispatcher:
 
     async def _positions(self, job: Job) -> AsyncIterator[int]:
         """The job's place while it waits, as ``run_positions`` reads it: when it changes
-        and every ``QUEUE_REPORT_S``; past ``--max-wait`` the 503 of ``wait_assigned``
+        and every ``places.QUEUE_REPORT_S``; past ``--max-wait`` the 503 of ``wait_assigned``
         (which also raises the enqueue's refusal, a 429, as soon as it is known)."""
         followed = self._followed.get(job.id)
         if followed is not None:
@@ -404,21 +402,14 @@ class RedisDispatcher:
             async with asyncio.timeout(FIRST_PLACE_AFTER_S):
                 await job.assigned.wait()
         deadline = job.queued_at + self.settings.max_wait
-        last: int | None = None
-        reported = 0.0
-        while job.state is JobState.QUEUED:
-            now = time.monotonic()
-            place = self._places.get(job.id)
-            if place is not None and (place != last or now - reported >= QUEUE_REPORT_S):
-                yield place
-                last, reported = place, time.monotonic()
-            if now >= deadline:
-                await self.wait_assigned(job)  # withdraws it and raises the 503
-                return
-            read = self._places_read
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(QUEUE_REPORT_S, deadline - now)):
-                    await read.wait()
+        async for place in places.report(
+            job,
+            deadline,
+            lambda _now: self._places.get(job.id),
+            lambda: self._places_read,
+            lambda: self.wait_assigned(job),
+        ):
+            yield place
 
     def _places_changed(self) -> None:
         read, self._places_read = self._places_read, asyncio.Event()

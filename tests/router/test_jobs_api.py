@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from socketless import memory_dispatcher, worker_connection
 from starlette.datastructures import Headers
 
+from shoal.keys.records import Queueing
 from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import (
     Endpoint,
@@ -48,6 +49,7 @@ from shoal.router.async_jobs.redis_store import RedisJobStore, job_key
 from shoal.router.async_jobs.runner import dispatcher_runner
 from shoal.router.async_jobs.service import (
     JobsService,
+    Owner,
     RunFailed,
     Runner,
     RunOutcome,
@@ -55,6 +57,7 @@ from shoal.router.async_jobs.service import (
     RunSucceeded,
 )
 from shoal.router.async_jobs.store import JobStore
+from shoal.router.dispatch.fair_queue import Priority, Tenant
 from shoal.router.dispatch.interface import Dispatcher
 from shoal.router.dispatch.job import IllegalTransition
 from shoal.router.errors import BadRequest, ModelNotFound, Unauthorized
@@ -113,15 +116,15 @@ class FakeRunner:
             return await self.arrived.get()
 
 
-def check_key(headers: Headers) -> str | None:
-    """The composition root's key check, for two keys: the key id, or 401."""
+def check_key(headers: Headers) -> Owner:
+    """The composition root's key check, for two keys: the key's owner, or 401."""
     token = headers.get("authorization", "").removeprefix("Bearer ")
     if token not in KEYS:
         raise Unauthorized("Incorrect API key provided.")
-    return KEYS[token]
+    return Owner(KEYS[token])
 
 
-async def check_key_async(headers: Headers) -> str | None:
+async def check_key_async(headers: Headers) -> Owner:
     """The same check as a coroutine (the router's key check may ask its key database)."""
     return check_key(headers)
 
@@ -576,7 +579,7 @@ async def test_stopping_the_service_fails_the_jobs_it_was_running(
 async def test_submit_needs_the_service_running() -> None:
     service = JobsService(MemoryJobStore(), FakeRunner())
     with pytest.raises(RuntimeError, match="lifespan"):
-        await service.submit(JobType.EMBEDDING, "m", {"input": "x"}, None)
+        await service.submit(JobType.EMBEDDING, "m", {"input": "x"}, Owner(None))
 
 
 # ---------------------------------------------------------------- the dispatcher runner
@@ -607,7 +610,7 @@ async def test_dispatcher_runner_returns_the_workers_answer(dispatcher: Dispatch
     store = MemoryJobStore()
     service = JobsService(store, dispatcher_runner(dispatcher))
     async with service.running():
-        rec = await service.submit(JobType.CHAT_COMPLETION, M, {"messages": CHAT}, "a")
+        rec = await service.submit(JobType.CHAT_COMPLETION, M, {"messages": CHAT}, Owner("a"))
         start = await next_frame(worker)
         assert isinstance(start, JobStart) and not start.stream
         assert start.endpoint is Endpoint.CHAT and start.body == {"messages": CHAT}
@@ -626,14 +629,16 @@ async def test_dispatcher_runner_reports_worker_errors(dispatcher: Dispatcher) -
     store = MemoryJobStore()
     service = JobsService(store, dispatcher_runner(dispatcher))
     async with service.running():
-        rec = await service.submit(JobType.EMBEDDING, M, {"input": "x"}, None)
+        rec = await service.submit(JobType.EMBEDDING, M, {"input": "x"}, Owner(None))
         start = await next_frame(worker)
         assert isinstance(start, JobStart)
         failure = ErrorBody(message="too long", type="invalid_request_error", code=None)
         dispatcher.workers.on_message(
             worker, JobFailed(job_id=start.job_id, status=400, error=failure)
         )
-        unknown = await service.submit(JobType.EMBEDDING, ModelName("nope"), {"input": "x"}, None)
+        unknown = await service.submit(
+            JobType.EMBEDDING, ModelName("nope"), {"input": "x"}, Owner(None)
+        )
         await service.wait_idle()
     failed, refused = await store.get(rec.id), await store.get(unknown.id)
     assert failed is not None and failed.error is not None
@@ -646,7 +651,7 @@ async def test_cancelling_a_dispatched_job_stops_the_worker(dispatcher: Dispatch
     worker = connect(dispatcher)
     service = JobsService(MemoryJobStore(), dispatcher_runner(dispatcher))
     async with service.running():
-        rec = await service.submit(JobType.CHAT_COMPLETION, M, {"messages": CHAT}, None)
+        rec = await service.submit(JobType.CHAT_COMPLETION, M, {"messages": CHAT}, Owner(None))
         start = await next_frame(worker)
         assert isinstance(start, JobStart)
         await service.cancel(rec.id, None)
@@ -663,9 +668,9 @@ async def test_a_queued_async_job_shows_its_place_until_a_worker_takes_it(
     store = MemoryJobStore()
     service = JobsService(store, dispatcher_runner(dispatcher))
     async with service.running():
-        first = await service.submit(JobType.CHAT_COMPLETION, M, {"messages": CHAT}, "a")
-        second = await service.submit(JobType.CHAT_COMPLETION, M, {"messages": CHAT}, "a")
-        third = await service.submit(JobType.CHAT_COMPLETION, M, {"messages": CHAT}, "a")
+        first = await service.submit(JobType.CHAT_COMPLETION, M, {"messages": CHAT}, Owner("a"))
+        second = await service.submit(JobType.CHAT_COMPLETION, M, {"messages": CHAT}, Owner("a"))
+        third = await service.submit(JobType.CHAT_COMPLETION, M, {"messages": CHAT}, Owner("a"))
         start = await next_frame(worker)
         assert isinstance(start, JobStart)
 
@@ -685,3 +690,33 @@ async def test_a_queued_async_job_shows_its_place_until_a_worker_takes_it(
             assert isinstance(start, JobStart)
             dispatcher.workers.on_message(worker, JobResult(job_id=start.job_id, body="{}"))
         await service.wait_idle()
+
+
+async def test_async_jobs_queue_with_their_keys_weight_and_cap_as_batch(
+    dispatcher: Dispatcher,
+) -> None:
+    worker = connect(dispatcher)  # one slot
+    store = MemoryJobStore()
+    service = JobsService(store, dispatcher_runner(dispatcher))
+    # an interactive key: its async jobs still queue as batch, with its weight and cap
+    owner = Owner("a", Queueing(weight=3.0, priority=Priority.INTERACTIVE, max_queued=1))
+    chat = {"messages": CHAT}
+    async with service.running():
+        running = await service.submit(JobType.CHAT_COMPLETION, M, chat, owner)
+        start = await next_frame(worker)
+        assert isinstance(start, JobStart)
+        assert worker.running[start.job_id].tenant == Tenant("a", 3.0, Priority.BATCH, 1)
+        waiting = await service.submit(JobType.CHAT_COMPLETION, M, chat, owner)
+        async with asyncio.timeout(WAIT_S):
+            while (await service.get(waiting.id, "a")).queue_position is None:
+                await asyncio.sleep(0.01)
+        refused = await service.submit(JobType.CHAT_COMPLETION, M, chat, owner)
+        async with asyncio.timeout(WAIT_S):
+            while (await service.get(refused.id, "a")).status is not JobStatus.FAILED:
+                await asyncio.sleep(0.01)
+        await service.cancel(running.id, "a")
+        await service.cancel(waiting.id, "a")
+        await service.wait_idle()
+    failed = await store.get(refused.id)
+    assert failed is not None and failed.error is not None
+    assert failed.error["code"] == "key_queue_full"

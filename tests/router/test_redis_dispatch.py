@@ -14,6 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 from socketless import worker_connection
 
+from shoal.keys.records import Queueing
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import (
     Continuation,
@@ -31,6 +32,10 @@ from shoal.protocol.messages import (
     decode_router_message,
 )
 from shoal.queue.events import Data, Done, Requeued, Result
+from shoal.router.async_jobs.memory_store import MemoryJobStore
+from shoal.router.async_jobs.records import JobStatus, JobType
+from shoal.router.async_jobs.runner import dispatcher_runner
+from shoal.router.async_jobs.service import JobsService, Owner
 from shoal.router.dispatch.fair_queue import Tenant
 from shoal.router.dispatch.job import JobState, Submission
 from shoal.router.dispatch.redis_queue import RedisDispatcher, consumer_name
@@ -322,3 +327,31 @@ async def test_fair_order_places_and_key_caps_are_shared_through_redis(make: Fac
     for router, job in [(a, first), (b, mine), *((a, j) for j in flood)]:
         router.cancel(job, "test over")
     await until(lambda: a.waiting_by_key() == {})  # nothing left counted
+
+
+async def test_async_jobs_of_a_capped_key_are_counted_over_every_router(make: Factory) -> None:
+    """Async jobs queue in Redis with their key's cap: a job accepted by router B is refused
+    (failed, ``key_queue_full``) for the key's job that waits on router A."""
+    a, b = await make(), await make()
+    worker = connect(b, "wb")
+    await until(lambda: a.remote_workers())
+    owner = Owner("capped", Queueing(weight=2.0, max_queued=1))
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    store = MemoryJobStore()  # one store for both routers' records (Redis's is tested apart)
+    on_a = JobsService(store, dispatcher_runner(a))
+    on_b = JobsService(store, dispatcher_runner(b))
+    async with on_a.running(), on_b.running():
+        running = await on_a.submit(JobType.CHAT_COMPLETION, M, chat, owner)
+        assert isinstance(await frame(worker), JobStart)
+        waiting = await on_a.submit(JobType.CHAT_COMPLETION, M, chat, owner)
+        await until(lambda: b.waiting_by_key() == {"capped": 1})
+        refused = await on_b.submit(JobType.CHAT_COMPLETION, M, chat, owner)
+        async with asyncio.timeout(WAIT_S):
+            await on_b.wait_idle()  # refused at once, not waiting
+        await on_a.cancel(running.id, "capped")
+        await on_a.cancel(waiting.id, "capped")
+        await on_a.wait_idle()
+    failed = await store.get(refused.id)
+    assert failed is not None and failed.status is JobStatus.FAILED and failed.error is not None
+    assert failed.error["code"] == "key_queue_full"
+    await until(lambda: a.waiting_by_key() == {})

@@ -31,7 +31,7 @@ from shoal.router.accounting import Accounting
 from shoal.router.async_jobs.memory_store import MemoryJobStore
 from shoal.router.async_jobs.redis_store import RedisJobStore
 from shoal.router.async_jobs.runner import dispatcher_runner
-from shoal.router.async_jobs.service import JobsService
+from shoal.router.async_jobs.service import JobsService, Owner
 from shoal.router.async_jobs.store import JobStore
 from shoal.router.auth import KeyCheck, StoreAccess, describe, startup_problem
 from shoal.router.context import RouterContext
@@ -139,7 +139,7 @@ def build_app(settings: RouterSettings, store: KeyStore | None = None) -> infere
         metrics_routes,
     ):
         app.include_router(module.router)
-    app.state.check_key = _key_id_of(keys)
+    app.state.check_key = _owner_of(keys)
     jobs_routes.install(
         app, ctx.jobs, limits=RequestLimits.of(settings), default_model=settings.default_model
     )
@@ -271,9 +271,10 @@ def result_cache(
     return MemoryResultCache(settings.cache_max_entries, settings.cache_ttl)
 
 
-def _key_id_of(keys: KeyCheck) -> Callable[[Headers], Awaitable[str | None]]:
-    async def check(headers: Headers) -> str | None:
-        return (await keys.client(headers)).key_id
+def _owner_of(keys: KeyCheck) -> Callable[[Headers], Awaitable[Owner]]:
+    async def check(headers: Headers) -> Owner:
+        principal = await keys.client(headers)
+        return Owner(principal.key_id, principal.queueing)
 
     return check
 

@@ -35,8 +35,10 @@ log = logging.getLogger(__name__)
 def dispatcher_runner(dispatcher: Dispatcher) -> Runner:
     async def run(request: RunRequest) -> RunOutcome:
         streamed = request.endpoint.is_image  # streamed for its progress events
-        # Async jobs queue as batch work: after the interactive requests waiting, until aged.
-        owner = Tenant(request.key_id or "async", priority=Priority.BATCH)
+        # Async jobs queue as batch work (after the interactive requests waiting, until aged),
+        # with their key's weight and cap.
+        q = request.queueing
+        owner = Tenant(request.key_id or "async", q.weight, Priority.BATCH, q.max_queued)
         job = dispatcher.submit(
             Submission(
                 ModelName(request.model),

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from shoal.api_errors import ApiError, error_payload
+from shoal.keys.records import Queueing
 from shoal.protocol.messages import Endpoint
 from shoal.router.async_jobs.records import (
     AsyncJobId,
@@ -50,6 +51,15 @@ RETRY_AFTER_TOO_MANY_S = 5.0
 
 
 @dataclass(frozen=True)
+class Owner:
+    """Who submits a job: the API key's id (None when the router has no keys of the database)
+    and how that key's requests queue (its weight and ``max_queued``; jobs queue as batch)."""
+
+    key_id: str | None
+    queueing: Queueing = Queueing()
+
+
+@dataclass(frozen=True)
 class RunRequest:
     """One async job for the runner: run ``body`` against ``endpoint`` for ``model``."""
 
@@ -67,6 +77,8 @@ class RunRequest:
     """Await with each progress report of a running job (image steps): the record shows it."""
     queued: Callable[[int], Awaitable[None]] | None = None
     """Await with the job's place in the queue while it waits: the record shows it."""
+    queueing: Queueing = Queueing()
+    """How the key's requests queue: the job waits with its weight and ``max_queued``."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +163,7 @@ class JobsService:
     # ------------------------------------------------------------ API
 
     async def submit(
-        self, job_type: JobType, model: str, body: dict[str, Any], owner: str | None
+        self, job_type: JobType, model: str, body: dict[str, Any], owner: Owner
     ) -> JobRecord:
         """Store a queued job and start running it; 429 past ``max_active``."""
         if self._group is None:
@@ -162,7 +174,11 @@ class JobsService:
                 retry_after=RETRY_AFTER_TOO_MANY_S,
             )
         record = JobRecord(
-            id=new_async_job_id(), type=job_type, model=model, owner=owner, created_at=self.clock()
+            id=new_async_job_id(),
+            type=job_type,
+            model=model,
+            owner=owner.key_id,
+            created_at=self.clock(),
         )
         self._creating += 1
         try:
@@ -179,10 +195,11 @@ class JobsService:
             endpoint=job_type.endpoint,
             model=model,
             body=body,
-            key_id=owner,
+            key_id=owner.key_id,
             started=lambda: self._started(record.id),
             progress=lambda report: self.store.set_progress(record.id, report),
             queued=lambda place: self.store.set_queue_position(record.id, place),
+            queueing=owner.queueing,
         )
         task = group.create_task(self._run_job(request), name=f"async job {record.id}")
         self._tasks[record.id] = task

@@ -7,7 +7,8 @@ like the synchronous request (same limits, same 400s) before anything is queued;
 never streamed. A job is visible only to the API key that created it (another key gets 404).
 
 Dependencies come from the app: ``install`` puts the ``JobsApi`` in ``app.state.jobs_api``; the
-composition root sets ``app.state.check_key`` (headers in, key id out, or 401).
+composition root sets ``app.state.check_key`` (headers in, the ``Owner`` out: key id and how
+its requests queue; or 401).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from shoal.router.async_jobs.records import JobRecord, JobStatus, JobType
-from shoal.router.async_jobs.service import JobsService
+from shoal.router.async_jobs.service import JobsService, Owner
 from shoal.router.errors import BadRequest
 from shoal.router.image_requests import check_image_request
 from shoal.router.image_requests import image_models as image_models_of
@@ -36,9 +37,9 @@ from shoal.router.requests import (
 )
 from shoal.router.routes.common import json_response
 
-KeyCheckFn = Callable[[Headers], str | None | Awaitable[str | None]]
-"""Checks a request's API key (plain or async): its key id, None when the router has no keys,
-or raises 401/403."""
+KeyCheckFn = Callable[[Headers], Owner | Awaitable[Owner]]
+"""Checks a request's API key (plain or async): its ``Owner`` (key id None when the router has
+no keys), or raises 401/403."""
 
 _TYPES = ", ".join(t.value for t in JobType)
 
@@ -98,7 +99,7 @@ def _api(request: Request) -> JobsApi:
     return api
 
 
-async def _owner(request: Request) -> str | None:
+async def _owner(request: Request) -> Owner:
     check: KeyCheckFn | None = getattr(request.app.state, "check_key", None)
     if check is None:
         raise RuntimeError("app.state.check_key is not set: the composition root must set it")
@@ -188,7 +189,7 @@ async def create_job(request: Request) -> Response:
 )
 async def get_job(request: Request, job_id: str) -> Response:
     """A job's status, and its result or error once it has ended."""
-    return _job(await _api(request).service.get(job_id, await _owner(request)))
+    return _job(await _api(request).service.get(job_id, (await _owner(request)).key_id))
 
 
 @router.delete(
@@ -197,4 +198,4 @@ async def get_job(request: Request, job_id: str) -> Response:
 )
 async def cancel_job(request: Request, job_id: str) -> Response:
     """Cancel a queued or running job (409 if it has already ended)."""
-    return _job(await _api(request).service.cancel(job_id, await _owner(request)))
+    return _job(await _api(request).service.cancel(job_id, (await _owner(request)).key_id))

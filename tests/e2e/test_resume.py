@@ -302,3 +302,36 @@ def test_a_dead_pull_workers_answer_goes_on_after_its_lease(
     check_same(answer, reference)
     after = answer.resumed_after_s
     print(f"\npull: kill -9 worker (lease 3 s): next token {after:.3f} s after the fault")
+
+
+def test_a_routers_only_worker_frozen_is_dropped_for_another_routers_worker(
+    cluster: Cluster, redis_prefix: str
+) -> None:
+    """Two routers on Redis, one worker each: whichever worker streams the answer is its
+    router's only one. Frozen, it is still taken for frozen after the stall timeout (the
+    other router's worker is heard of through Redis) and the other goes on, well before the
+    heartbeat timeout."""
+    shared = ("--redis-url", REDIS_URL, "--redis-prefix", redis_prefix)
+    routers = [cluster.router(*ROUTER_ARGS, *shared) for _ in range(2)]
+    procs = {
+        name: cluster.worker(router, "--slots", "1", name=name)
+        for name, router in zip(("a1", "b1"), routers, strict=True)
+    }
+    by_id = {w["id"]: procs[w["name"]] for w in routers[1].wait_workers(2)}
+    reference = ask(routers[1])
+    frozen: list[Proc] = []
+
+    def freeze(worker: str) -> None:
+        frozen.append(by_id[worker])
+        by_id[worker].signal(signal.SIGSTOP)
+
+    try:
+        answer = ask(routers[1], freeze)
+    finally:
+        for proc in frozen:
+            proc.signal(signal.SIGCONT)  # a frozen worker could not stop
+    check_same(answer, reference)
+    assert answer.resumed_after_s is not None and answer.resumed_after_s < 6  # not 10 s
+    print(
+        f"\nredis, one worker per router: SIGSTOP worker: next token {answer.resumed_after_s:.3f} s"
+    )

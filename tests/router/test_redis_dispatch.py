@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -117,6 +118,25 @@ async def test_job_sent_to_one_router_runs_on_a_worker_of_another(make: Factory)
     assert got == [Data("one"), Data("two"), Done()]
     assert job.state is JobState.SUCCEEDED
     assert not worker.running
+
+
+async def test_a_router_hears_of_another_routers_worker_at_every_directory_sync(
+    make: Factory,
+) -> None:
+    """What the stall rule counts as another worker heard from (``router/stall.py``)."""
+    a, b = await make(), await make()
+    mine = connect(a, "wa")
+    await until(lambda: b.remote_workers())
+    assert a.heard_from_cluster() is None  # only its own worker: nobody else heard from
+    first = b.heard_from_cluster()
+    assert first is not None and time.monotonic() - first < 1.0
+    await until(lambda: (b.heard_from_cluster() or 0.0) > first)  # the next sync, 0.2 s on
+    mine.move(ConnState.CLOSED, "test")
+    a.workers.on_lost(mine, "connection closed")
+    await until(lambda: not b.remote_workers())
+    last = b.heard_from_cluster()
+    await asyncio.sleep(0.5)  # two syncs at the 0.2 s interval, finding nobody
+    assert b.heard_from_cluster() == last
 
 
 async def test_unknown_model_is_404_on_every_router(make: Factory) -> None:

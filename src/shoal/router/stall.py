@@ -13,6 +13,17 @@ slow machine) is never taken for frozen; only a worker whose process stopped is.
 worker was heard from" keeps a router that was itself stalled (or cut off from every
 worker) from blaming its workers: with a single worker the rule never fires and the
 heartbeat timeout applies.
+
+With ``--redis-url`` the other workers may be another router's: the router also counts as
+heard from the end of its last worker-directory sync (``dispatch/directory.py``) that found
+another router's worker (``Dispatcher.heard_from_cluster``). That round trip proves what
+the rule needs: this router was running and reaching the cluster then, and a worker was
+there to take the jobs over; a sync that found no other worker proves nothing of the sort
+(a lone worker in the whole cluster still waits for the heartbeat timeout). A sync runs
+every ``--heartbeat-interval``, which the stall timeout is kept above, so a frozen worker
+is found about the stall timeout after its last frame. A slower sync (Redis slow or down,
+its retries backing off) makes the last one older: the rule then fires later or not at
+all (the heartbeat timeout applies), never wrongly.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +92,8 @@ class WorkerDirectory:
         self.router = router
         self.outage = outage or OutageLog()
         self.remote: list[RemoteWorker] = []
+        self.heard_at: float | None = None
+        """``time.monotonic()`` when the last sync that found another router's worker ended."""
         self._redis = redis
         self._prefix = prefix
         self._registry = registry
@@ -137,6 +140,8 @@ class WorkerDirectory:
         await self._forget(self._written - set(mine))
         self._written = set(mine)
         self.remote = await self._read_all(index)
+        if self.remote:
+            self.heard_at = time.monotonic()
 
     async def _forget(self, worker_ids: set[str]) -> None:
         if worker_ids:

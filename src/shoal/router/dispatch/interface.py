@@ -72,6 +72,13 @@ class Dispatcher(Protocol):
         """Every worker of the cluster, as ``/api/v1/workers`` lists them."""
         ...
 
+    def heard_from_cluster(self) -> float | None:
+        """``time.monotonic()`` when this router last heard, through Redis, that another
+        router's worker is alive (its last worker-directory sync that found one); None
+        without Redis or before that. The stall rule counts it as another worker heard from
+        (``router/stall.py``)."""
+        ...
+
     # ------------------------------------------------------------ lifetime
 
     async def run(self) -> None:

@@ -88,6 +88,9 @@ class MemoryDispatcher:
     def remote_workers(self) -> list[RemoteWorker]:
         return []
 
+    def heard_from_cluster(self) -> float | None:
+        return None
+
     def worker_summaries(self) -> list[dict[str, object]]:
         return [w.summary() for w in self.registry]
 

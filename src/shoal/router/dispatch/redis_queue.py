@@ -200,6 +200,9 @@ class RedisDispatcher:
     def remote_workers(self) -> list[RemoteWorker]:
         return list(self.directory.remote)
 
+    def heard_from_cluster(self) -> float | None:
+        return self.directory.heard_at
+
     def worker_summaries(self) -> list[dict[str, object]]:
         local: list[dict[str, object]] = [
             {**w.summary(), "router": self.name} for w in self.registry

@@ -29,8 +29,9 @@ from shoal.protocol.messages import (
     encode,
 )
 from shoal.router.context import RouterContext, context
+from shoal.router.dispatch.interface import Dispatcher
 from shoal.router.stall import frozen, next_check
-from shoal.router.workers import ConnState, Registry, WorkerConnection
+from shoal.router.workers import ConnState, WorkerConnection
 
 log = logging.getLogger(__name__)
 
@@ -197,13 +198,13 @@ async def _write(ws: WebSocket, worker: WorkerConnection) -> None:
 async def _watchdog(worker: WorkerConnection, ctx: RouterContext) -> None:
     """Drop the worker when its heartbeats stop, or sooner when it is frozen (``stall``)."""
     timeout, stall = ctx.settings.heartbeat_timeout, ctx.settings.stall_timeout
-    registry = ctx.dispatcher.workers.registry
+    dispatcher = ctx.dispatcher
     while True:
         now = time.monotonic()
         delay = worker.last_seen + timeout - now
         if delay <= 0:
             raise HeartbeatMissed
-        if frozen(now, worker.last_seen, bool(worker.running), _others(registry, worker), stall):
+        if frozen(now, worker.last_seen, bool(worker.running), _others(dispatcher, worker), stall):
             log.warning(
                 "worker %s: nothing from it for %.1f s while it holds %d job(s) (%s) and other "
                 "workers are heard from: taken for frozen",
@@ -218,8 +219,12 @@ async def _watchdog(worker: WorkerConnection, ctx: RouterContext) -> None:
         await asyncio.sleep(delay)
 
 
-def _others(registry: Registry, worker: WorkerConnection) -> list[float]:
-    return [w.last_seen for w in registry if w is not worker]
+def _others(dispatcher: Dispatcher, worker: WorkerConnection) -> list[float]:
+    """When each other worker was last heard from: this router's, and with Redis the
+    cluster's (its last directory sync that found another router's worker)."""
+    seen = [w.last_seen for w in dispatcher.workers.registry if w is not worker]
+    cluster = dispatcher.heard_from_cluster()
+    return seen if cluster is None else [*seen, cluster]
 
 
 async def _close_quietly(ws: WebSocket, code: int, reason: str) -> None:

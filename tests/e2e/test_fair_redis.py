@@ -67,6 +67,7 @@ def test_a_light_key_on_one_router_goes_ahead_of_a_flood_through_another(
     b = shared(cluster, redis_prefix, light)
     cluster.worker(a, "--slots", "1")
     a.wait_workers(1)
+    b.wait_workers(1)  # b sees a's worker through Redis before it is asked
     done: list[str] = []
 
     async def scenario() -> None:
@@ -100,6 +101,7 @@ def test_a_capped_key_is_refused_on_any_router_while_another_key_is_served(
     b = shared(cluster, redis_prefix, other)
     cluster.worker(a, "--slots", "1")
     a.wait_workers(1)
+    b.wait_workers(1)  # b sees a's worker through Redis before it is asked
     answers: list[str] = []
 
     async def scenario() -> None:
@@ -187,6 +189,7 @@ def test_a_router_killed_holding_jobs_leaves_no_waiting_count_behind(
     b = shared(cluster, redis_prefix, capped, "--queue-lease", "3")
     cluster.worker(a, "--slots", "1", name="on-a")
     a.wait_workers(1)
+    b.wait_workers(1)  # b sees a's worker through Redis before it is asked
 
     async def flood_a() -> None:
         async with httpx.AsyncClient(base_url=a.url, timeout=120) as to_a:

@@ -228,12 +228,18 @@ def decoded(backend_url: str) -> int:
     return max((s["next_token"][0]["n_decoded"] for s in slots if s["is_processing"]), default=0)
 
 
-def generating(fleet: Fleet) -> tuple[str, str] | None:
-    """The live worker whose llama-server is generating the answer in flight, and its
-    address (asked of every llama-server: a router's list may lag, with Redis)."""
+def busy_backends(fleet: Fleet) -> dict[str, str]:
+    """Live workers whose llama-server is generating, by id, with its address (asked of
+    every llama-server: a router's list may lag, with Redis)."""
     live = {worker for worker, p in fleet.procs.items() if p.alive() and p not in fleet.frozen}
     backends = {w["id"]: w["backend_url"] for r in fleet.routers for w in r.workers()}
-    busy = [(w, url) for w, url in backends.items() if w in live and decoded(url) > 0]
+    return {w: url for w, url in backends.items() if w in live and decoded(url) > 0}
+
+
+def generating(fleet: Fleet, before: dict[str, str]) -> tuple[str, str] | None:
+    """The worker generating the answer in flight: busy now and not ``before`` it was sent
+    (a slot an earlier test's fault left behind is not this answer)."""
+    busy = [(w, url) for w, url in busy_backends(fleet).items() if w not in before]
     return busy[0] if len(busy) == 1 else None
 
 
@@ -246,11 +252,12 @@ def test_a_killed_workers_non_streamed_answer_goes_on_and_comes_whole(fleet: Fle
     body = {k: v for k, v in BODY.items() if k not in ("stream", "stream_options")}
     headers = {"Authorization": f"Bearer {API_KEY}"}
     url = fleet.router.url + "/v1/chat/completions"
+    earlier = busy_backends(fleet)
     with ThreadPoolExecutor(1) as pool:
         reply = pool.submit(httpx.post, url, json=body, headers=headers, timeout=60)
         # The worker relays each id as llama-server streams it: by FAULT_AFTER tokens the
         # router has the first ones.
-        worker, backend = wait_until(lambda: generating(fleet), 30, "the answer to start")
+        worker, backend = wait_until(lambda: generating(fleet, earlier), 60, "the answer to start")
         wait_until(lambda: decoded(backend) >= FAULT_AFTER, 30, "tokens", every=0.01)
         fleet.procs[worker].signal(signal.SIGKILL)
         r = reply.result()

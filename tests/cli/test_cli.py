@@ -76,6 +76,20 @@ def test_bad_option_value_is_a_clear_error() -> None:
     assert "Traceback" not in r.stderr
 
 
+def test_an_option_that_conflicts_with_another_names_both_flags() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "shoal", "router", "--stall-timeout", "1"],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=30,
+    )
+    assert r.returncode == 2
+    assert "invalid option: --stall-timeout (1 s) must be above --heartbeat-interval" in r.stderr
+    assert "value:" not in r.stderr and "Value error" not in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_worker_install_dry_run_and_uninstall_errors(capsys: pytest.CaptureFixture[str]) -> None:
     from shoal.cli.main import main
 

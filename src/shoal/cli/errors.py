@@ -22,7 +22,14 @@ def settings_for(cls: type[S], args: argparse.Namespace) -> S:
     try:
         return settings_from_args(cls, args)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in exc.errors()
-        )
-        raise UserError(f"invalid option: {problems}") from None
+        raise UserError(f"invalid option: {_problems(exc)}") from None
+
+
+def _problems(exc: ValidationError) -> str:
+    """Each problem as ``field: message``; one that concerns several flags by its message alone."""
+    parts = []
+    for e in exc.errors():
+        message = e["msg"].removeprefix("Value error, ")
+        field = ".".join(str(p) for p in e["loc"])
+        parts.append(f"{field}: {message}" if field else message)
+    return "; ".join(parts)

@@ -35,6 +35,7 @@ from shoal.worker.continuation import (
     WholeAnswer,
     client_wants_logprobs,
     continuation,
+    prefill_prompts,
     remaining_tokens,
     template_request,
     with_token_ids,
@@ -301,6 +302,7 @@ class Backend:
             before = "" if job.stream else await self._text_of(resume.tokens)
             if pin is not None:
                 body["id_slot"] = pin.slot
+            await self._prefill(body, len(resume.tokens), pin)
         except NotResumable as exc:
             out.send(_not_resumable(job, str(exc)))
             return
@@ -329,6 +331,20 @@ class Backend:
                 await self._collect(job, resp, out, collected, _Progress(started=True))
                 return
             await self._relay(job, resp, out, trail, splice, _Progress(started=True))
+
+    async def _prefill(self, body: dict[str, Any], produced: int, pin: Pin | None) -> None:
+        """Put the continuation's prompt into the slot's cache the way the original run
+        computed it (``prefill_prompts``: the prompt, then the produced ids a few at a time),
+        so that the continuation is exactly the uninterrupted answer."""
+        url = self.base_url() + "/completion"
+        for prompt in prefill_prompts(body["prompt"], produced):
+            step: dict[str, Any] = {"prompt": prompt, "n_predict": 0, "cache_prompt": True}
+            if pin is not None:
+                step["id_slot"] = pin.slot
+            async with await self._post(url, orjson.dumps(step)) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    raise NotResumable(error_from_body(resp.status, raw).message)
 
     async def _text_of(self, tokens: tuple[int, ...]) -> str:
         """The text of ``tokens`` as llama-server spells them: what a non-streamed answer had

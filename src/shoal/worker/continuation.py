@@ -175,7 +175,7 @@ def continuation(
     out.pop("stream_options", None)
     out.pop("top_logprobs", None)
     out.pop("logprobs", None)
-    out.update(prompt=prompt, stream=True)
+    out.update(prompt=prompt, stream=True, cache_prompt=True)  # (on ``prefill_prompts``)
     left = remaining_tokens(body, len(ids))
     if left is not None:
         out["max_tokens"] = left
@@ -185,6 +185,25 @@ def continuation(
     else:
         out.update(n_probs=1, post_sampling_probs=True)
     return out
+
+
+EXACT_BATCH = 32
+"""The most produced tokens llama-server is given to evaluate at once when going on. The CPU
+backend computes attention for a batch of 64 query rows or more another way (tiled, in F32)
+than for a few rows or one generated token (row by row, in F16): a prefix read back in one
+large batch rounds differently from the run that generated it, and a near-tie can flip
+(``benchmarks/resume_exactness.py``). Under 64 rows a row's result does not depend on the
+batch, so the produced ids are fed in steps this size."""
+
+
+def prefill_prompts(prompt: list[Any], produced: int, step: int = EXACT_BATCH) -> list[list[Any]]:
+    """The prompts evaluated (``n_predict: 0``, into the slot's cache) before the
+    continuation ``prompt`` (ending with ``produced`` ids), so that each reaches llama-server
+    as it did in the original run: the original prompt alone first (the batches its run
+    read it in), then the produced ids at most ``step`` at a time; the continuation itself
+    evaluates the last ``step`` or fewer."""
+    head = len(prompt) - produced
+    return [prompt[: head + k] for k in range(0, produced, step)]
 
 
 def template_request(body: dict[str, Any]) -> dict[str, Any]:

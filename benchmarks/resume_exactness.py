@@ -12,7 +12,8 @@ equals the uninterrupted ids, and for the others where the first differing token
 (absolute position, and tokens after the cut).
 
     python benchmarks/resume_exactness.py --tokens 200 --step 8
-    python benchmarks/resume_exactness.py --b-args "-ub 1"   # B evaluates token by token
+    python benchmarks/resume_exactness.py --one-batch   # the prefix read back in one batch
+    python benchmarks/resume_exactness.py --one-batch --b-args "-ub 32"   # ... of 32 at most
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import asyncio
 import shlex
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ import aiohttp
 import httpx
 import orjson
 
-from common import free_port, print_table, processes, wait_http, write_json
+from common import free_port, median, print_table, processes, wait_http, write_json
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "src"))
 from shoal.llama_cpp.locate import resolve  # noqa: E402
@@ -37,6 +39,7 @@ from shoal.models.default import DEFAULT_MODEL  # noqa: E402
 from shoal.models.resolve import resolve_model  # noqa: E402
 from shoal.protocol.ids import JobId, ModelName  # noqa: E402
 from shoal.protocol.messages import Continuation, Endpoint, JobStart  # noqa: E402
+from shoal.worker import backend as backend_module  # noqa: E402
 from shoal.worker.backend import Backend, BackendTarget  # noqa: E402
 from shoal.worker.sink import JobOutcome  # noqa: E402
 
@@ -57,8 +60,11 @@ class Sink:
     def __init__(self) -> None:
         self.chunks: list[tuple[dict[str, Any], tuple[int, ...] | None]] = []
         self.outcomes: list[JobOutcome] = []
+        self.first: float | None = None
 
     def chunk(self, job_id: JobId, data: str, tokens: tuple[int, ...] | None = None) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
         self.chunks.append((orjson.loads(data), tokens))
 
     def send(self, message: JobOutcome, /) -> None:
@@ -121,14 +127,20 @@ async def one_prompt(
             (await client.post(f"{b_url}/slots/0?action=erase")).raise_for_status()
         rest = Sink()
         resume = Continuation(tokens=produced)
+        t0 = time.perf_counter()
         await b.run(job.model_copy(update={"resume": resume, "attempt": 2}), rest)
+        first_s = (rest.first or float("nan")) - t0
         got = list(produced) + rest.ids()
         diff = first_difference(expected, got)
-        cuts.append({"cut": n, "exact": diff is None, "first_difference": diff})
+        cuts.append(
+            {"cut": n, "exact": diff is None, "first_difference": diff, "first_chunk_s": first_s}
+        )
     return {"tokens": expected, "cuts": cuts}
 
 
-async def main(tokens: int, step: int, threads: int, b_args: str) -> None:
+async def main(
+    tokens: int, step: int, threads: int, b_args: str, only: str, one_batch: bool
+) -> None:
     from shoal.settings import CommonSettings
 
     cache = CommonSettings().cache_dir
@@ -151,6 +163,8 @@ async def main(tokens: int, step: int, threads: int, b_args: str) -> None:
                 Backend(BackendTarget(MODEL, token_ids=True), session, lambda u=u: u) for u in urls
             )
             for name, endpoint, prompt in PROMPTS:
+                if only and name not in only.split(","):
+                    continue
                 results[name] = await one_prompt(a, b, urls[1], endpoint, prompt, tokens, step)
     rows = []
     for name, result in results.items():
@@ -161,12 +175,15 @@ async def main(tokens: int, step: int, threads: int, b_args: str) -> None:
                 name,
                 len(cuts),
                 sum(c["exact"] for c in cuts) / len(cuts) if cuts else float("nan"),
+                median([c["first_chunk_s"] for c in cuts]),
+                max((c["first_chunk_s"] for c in cuts), default=float("nan")),
                 " ".join(f"{c['cut']}>{c['first_difference']}" for c in wrong[:6]) or "-",
             ]
         )
     print_table(
-        f"resume exactness: {tokens} tokens, a cut every {step}, B args {b_args!r}",
-        ["prompt", "cuts", "exact", "cut>first difference (first 6)"],
+        f"resume exactness: {tokens} tokens, a cut every {step}, B args {b_args!r}"
+        + (", prefix in one batch" if one_batch else ", prefix in steps"),
+        ["prompt", "cuts", "exact", "first chunk s (median)", "(max)", "cut>first difference"],
         rows,
     )
     write_json(
@@ -176,6 +193,7 @@ async def main(tokens: int, step: int, threads: int, b_args: str) -> None:
             "step": step,
             "threads": threads,
             "b_args": b_args,
+            "one_batch": one_batch,
             "results": {k: v["cuts"] for k, v in results.items()},
         },
     )
@@ -187,5 +205,13 @@ if __name__ == "__main__":
     parser.add_argument("--step", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--b-args", default="", help="extra llama-server flags for B")
+    parser.add_argument("--only", default="", help="comma-separated prompt names")
+    parser.add_argument(
+        "--one-batch",
+        action="store_true",
+        help="no prefill steps: B reads the prompt and the produced ids in one request",
+    )
     args = parser.parse_args()
-    asyncio.run(main(args.tokens, args.step, args.threads, args.b_args))
+    if args.one_batch:
+        backend_module.prefill_prompts = lambda prompt, produced, step=0: []
+    asyncio.run(main(args.tokens, args.step, args.threads, args.b_args, args.only, args.one_batch))

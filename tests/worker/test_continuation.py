@@ -428,3 +428,47 @@ def test_prefill_feeds_the_produced_ids_a_step_at_a_time(
     lengths = [len(p) for p in steps] + [len(prompt)]
     assert all(0 < b - a <= step for a, b in zip(lengths, lengths[1:], strict=False))
     assert all(prompt[: len(p)] == p for p in steps)
+
+
+@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.COMPLETIONS])
+async def test_a_non_streamed_answer_with_logprobs_goes_on_with_them(
+    backend: Backend, llama_url: str, endpoint: Endpoint
+) -> None:
+    """Its progress carries the log-probabilities of its ids; going on (from a fresh slot,
+    as on another worker) puts them before the rest's: the uninterrupted answer, logprobs
+    and all."""
+    chat = endpoint is Endpoint.CHAT
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    if chat:
+        body.update(messages=[{"role": "user", "content": "Name three rivers."}])
+        body.update(logprobs=True, top_logprobs=2)
+    else:
+        body.update(prompt="Once upon a time, in a village by the sea,", logprobs=2)
+    job = JobStart(
+        job_id=JobId("j5"), model=ModelName(MODEL), endpoint=endpoint, stream=False, body=body
+    )
+    whole = ListSink()
+    await backend.run(job, whole)
+    [result] = whole.outcomes
+    assert isinstance(result, JobResult)
+    expected = orjson.loads(result.body)
+    assert len(expected["choices"][0]["logprobs"]["content"]) == 40
+    for at in (8, len(whole.chunks) - 2):
+        _, produced = _cut(whole, at)
+        entries = [
+            entry
+            for chunk, tokens in whole.chunks[:at]
+            if tokens
+            for entry in chunk["progress"]["logprobs"]
+        ]
+        assert len(entries) == len(produced)
+        head = whole.chunks[0][0]
+        resume = Continuation(
+            tokens=tuple(produced), id=head["id"], created=head["created"], logprobs=tuple(entries)
+        )
+        _forget(llama_url)
+        rest = ListSink()
+        await backend.run(job.model_copy(update={"resume": resume, "attempt": 2}), rest)
+        [done] = rest.outcomes
+        assert isinstance(done, JobResult)
+        assert orjson.loads(done.body)["choices"] == expected["choices"]

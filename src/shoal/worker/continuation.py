@@ -300,10 +300,22 @@ class WholeAnswer:
     ids: tuple[int, ...] | None = ()
     """The ids completed by the last chunk taken (None: no longer exactly known)."""
     lost: bool = False
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    """The log-probabilities seen, one per id, when the client asked for them."""
+    reported: int = 0
+    """How many of ``entries`` went out as progress."""
+    before_logprobs: tuple[dict[str, Any], ...] = ()
+    """Those of the ids produced before (``Continuation.logprobs``), put first."""
 
     def take(self, chunk: dict[str, Any]) -> str | None:
         """Keep one chunk; the progress to report for it (the answer's id and creation
-        time, with ``ids``), or None."""
+        time, with ``ids``; first, when the client asked for them, the log-probabilities of
+        those ids: ``queue.answer.PROGRESS``), or None."""
+        if self.trail is not None and not self.trail.strip:
+            for choice in chunk.get("choices") or ():
+                logprobs = choice.get("logprobs") if isinstance(choice, dict) else None
+                if isinstance(logprobs, dict):
+                    self.entries += logprobs.get("content") or ()
         released = self.trail.follow(chunk) if self.trail is not None else ()  # (strips)
         self.chunks += [chunk] if self.splice is None else list(self.splice.chunks(chunk))
         if self.trail is not None and self.trail.lost and not self.lost:
@@ -314,17 +326,25 @@ class WholeAnswer:
         else:
             self.ids = released
         head = self.chunks[-1] if self.chunks else chunk
-        return orjson.dumps({"id": head.get("id"), "created": head.get("created")}).decode()
+        progress: dict[str, Any] = {}
+        if self.trail is not None and not self.trail.strip and self.ids:
+            upto = self.reported + len(self.ids)
+            progress["progress"] = {"logprobs": self.entries[self.reported : upto]}
+            self.reported = upto
+        progress.update(id=head.get("id"), created=head.get("created"))
+        return orjson.dumps(progress).decode()
 
     def answer(self, endpoint: Endpoint) -> dict[str, Any]:
         body = aggregate(self.chunks, endpoint)
-        if self.before:
-            for choice in body["choices"][:1]:
-                if "message" in choice:
-                    message = choice["message"]
-                    message["content"] = self.before + (message.get("content") or "")
-                else:
-                    choice["text"] = self.before + choice["text"]
+        for choice in body["choices"][:1]:
+            if self.before and "message" in choice:
+                message = choice["message"]
+                message["content"] = self.before + (message.get("content") or "")
+            elif self.before:
+                choice["text"] = self.before + choice["text"]
+            if self.before_logprobs:
+                logprobs = choice.setdefault("logprobs", {})
+                logprobs["content"] = [*self.before_logprobs, *(logprobs.get("content") or ())]
         return body
 
 

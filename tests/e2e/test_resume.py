@@ -246,10 +246,12 @@ def generating(fleet: Fleet, before: dict[str, str]) -> tuple[str, str] | None:
 def test_a_killed_workers_non_streamed_answer_goes_on_and_comes_whole(fleet: Fleet) -> None:
     """The worker reports the ids of a non-streamed answer as progress the client does not
     get; killed once its llama-server generated some, another worker goes on from them (not
-    from the start: counted as a resume) and the client gets the whole answer."""
+    from the start: counted as a resume) and the client gets the whole answer, with the
+    log-probabilities it asked for, the first worker's included."""
     fleet.ready()
     before = fleet.resumed("connection")
     body = {k: v for k, v in BODY.items() if k not in ("stream", "stream_options")}
+    body["logprobs"] = True
     headers = {"Authorization": f"Bearer {API_KEY}"}
     url = fleet.router.url + "/v1/chat/completions"
     earlier = busy_backends(fleet)
@@ -269,6 +271,9 @@ def test_a_killed_workers_non_streamed_answer_goes_on_and_comes_whole(fleet: Fle
     assert choice["message"]["role"] == "assistant"
     assert choice["finish_reason"] == "length"
     assert answer["object"] == "chat.completion"
+    entries = choice["logprobs"]["content"]
+    assert len(entries) == TOKENS
+    assert b"".join(bytes(e["bytes"]) for e in entries) == fleet.reference.text.encode()
     [expected] = fleet.reference.usage
     counts = ("prompt_tokens", "completion_tokens", "total_tokens")
     assert {k: answer["usage"][k] for k in counts} == {k: expected[k] for k in counts}

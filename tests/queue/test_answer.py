@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from shoal.protocol.messages import Continuation, Endpoint
@@ -61,3 +62,24 @@ def test_an_answer_read_back_from_its_trail() -> None:
     inexact.take("y", (7,))  # the next chunk is exact again: it goes on from every id
     assert inexact.continuation(Endpoint.CHAT, 0, 1) == Continuation(tokens=(4, 7))
     assert not answer_of_trail("", "", "").known  # no trail: nothing known
+
+
+def test_a_whole_answers_progress_carries_its_log_probabilities_on() -> None:
+    """A non-streamed answer that asked for log-probabilities: its progress names them, one
+    per id, and they go on with the ids (and again from a run that went on)."""
+    answer = AnswerSoFar()
+    first = {"token": "a", "logprob": -0.5}
+    answer.take(
+        '{"progress":{"logprobs":[' + orjson.dumps(first).decode() + ']},"id":"c","created":1}',
+        (7,),
+    )
+    answer.take(
+        '{"progress":{"logprobs":[{"token":"b","logprob":-1.0}]},"id":"c","created":1}', (8,)
+    )
+    resume = answer.continuation(Endpoint.CHAT, 0, 2)
+    assert resume is not None and resume.tokens == (7, 8) and resume.id == "c"
+    assert resume.logprobs == (first, {"token": "b", "logprob": -1.0})
+    again = AnswerSoFar.going_on(resume)
+    again.take('{"progress":{"logprobs":[{"token":"c","logprob":0.0}]},"id":"c","created":1}', (9,))
+    going = again.continuation(Endpoint.CHAT, 1, 2)
+    assert going is not None and [e["token"] for e in going.logprobs] == ["a", "b", "c"]

@@ -32,11 +32,13 @@ from shoal.worker.continuation import (
     TokenTrail,
     WholeAnswer,
     continuation,
+    prefill_prompts,
     with_token_ids,
 )
 from shoal.worker.sink import JobOutcome
 
 MODEL = "m"
+TOKENS = 120
 
 
 def _lp(*pieces: tuple[int, bytes]) -> dict[str, Any]:
@@ -203,7 +205,8 @@ def llama_url(
     log = (tmp_path_factory.mktemp("llama") / "llama.log").open("wb")
     proc = subprocess.Popen(
         [str(llama_server), "-m", str(model_path), "--alias", MODEL, "--port", str(port)]
-        + ["-np", "1", "-c", "2048", "--threads", "1", "--no-webui"],
+        + ["-np", "1", "-c", "2048", "--threads", "1", "--no-webui", "--cache-ram", "0"]
+        + ["--slot-save-path", str(tmp_path_factory.mktemp("slots"))],  # (to erase the slot)
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -227,6 +230,11 @@ class ListSink:
 
     def send(self, message: JobOutcome, /) -> None:
         self.outcomes.append(message)
+
+
+def _forget(llama_url: str) -> None:
+    """Empty the slot's cache: the next request is evaluated as on another worker."""
+    httpx.post(f"{llama_url}/slots/0?action=erase").raise_for_status()
 
 
 @pytest.fixture
@@ -254,19 +262,23 @@ def _cut(sink: ListSink, at: int) -> tuple[list[Any], list[int]]:
 
 @pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.COMPLETIONS])
 async def test_going_on_gives_exactly_the_uninterrupted_answer(
-    backend: Backend, endpoint: Endpoint
+    backend: Backend, llama_url: str, endpoint: Endpoint
 ) -> None:
+    """From a fresh slot, as on another worker; the late cuts put 64 tokens or more before
+    the continuation, which, read back in one batch, diverged (``prefill_prompts``)."""
     chat = endpoint is Endpoint.CHAT
     body: dict[str, Any] = {
         "model": MODEL,
-        "max_tokens": 60,
+        "max_tokens": TOKENS,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
     if chat:
-        body["messages"] = [{"role": "user", "content": "Write a poem about the sea. ✨"}]
+        body["messages"] = [
+            {"role": "user", "content": "Explain how a hash map works, with an example."}
+        ]
     else:
         body["prompt"] = "Once upon a time, in a village by the sea,"
     job = JobStart(
@@ -281,11 +293,12 @@ async def test_going_on_gives_exactly_the_uninterrupted_answer(
         for c in chunk["choices"]
     )
     ids = [t for _, tokens in whole.chunks for t in tokens or ()]
-    assert len(ids) == 60  # every generated token is named, once
+    assert len(ids) == TOKENS  # every generated token is named, once
     expected = _text(whole.chunks, chat)
     first = whole.chunks[0][0]
-    for at in (3, 17, len(whole.chunks) // 2):
+    for at in (3, 40, 60, 76):
         had, produced = _cut(whole, at)
+        _forget(llama_url)
         resume = Continuation(tokens=tuple(produced), id=first["id"], created=first["created"])
         rest = ListSink()
         again = job.model_copy(update={"job_id": JobId("j2"), "resume": resume, "attempt": 2})
@@ -300,9 +313,9 @@ async def test_going_on_gives_exactly_the_uninterrupted_answer(
         [usage] = [chunk["usage"] for chunk, _ in rest.chunks if chunk.get("usage")]
         [original] = [chunk["usage"] for chunk, _ in whole.chunks if chunk.get("usage")]
         assert usage["prompt_tokens"] == original["prompt_tokens"]
-        assert usage["completion_tokens"] == 60 == original["completion_tokens"]
+        assert usage["completion_tokens"] == TOKENS == original["completion_tokens"]
         [timings] = [chunk["timings"] for chunk, _ in rest.chunks if chunk.get("timings")]
-        assert timings["predicted_n"] == 60
+        assert timings["predicted_n"] == TOKENS
         assert timings["prompt_n"] + timings["cache_n"] == original["prompt_tokens"]
         finish = [
             c["finish_reason"]
@@ -403,3 +416,59 @@ async def test_a_chat_that_asked_for_logprobs_gets_them_from_the_continuation(
     assert all(len(entry["top_logprobs"]) == 2 and "logprob" in entry for entry in entries)
     assert "".join(entry["token"] for entry in entries) == _text(rest.chunks, True)
     assert _text(had, True) + _text(rest.chunks, True) == _text(whole.chunks, True)
+
+
+@given(st.integers(1, 5), st.integers(0, 300), st.integers(1, 64))
+def test_prefill_feeds_the_produced_ids_a_step_at_a_time(
+    head: int, produced: int, step: int
+) -> None:
+    prompt: list[Any] = ["p"] * head + list(range(produced))
+    steps = prefill_prompts(prompt, produced, step)
+    assert (steps[0] == prompt[:head]) if produced else steps == []
+    lengths = [len(p) for p in steps] + [len(prompt)]
+    assert all(0 < b - a <= step for a, b in zip(lengths, lengths[1:], strict=False))
+    assert all(prompt[: len(p)] == p for p in steps)
+
+
+@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.COMPLETIONS])
+async def test_a_non_streamed_answer_with_logprobs_goes_on_with_them(
+    backend: Backend, llama_url: str, endpoint: Endpoint
+) -> None:
+    """Its progress carries the log-probabilities of its ids; going on (from a fresh slot,
+    as on another worker) puts them before the rest's: the uninterrupted answer, logprobs
+    and all."""
+    chat = endpoint is Endpoint.CHAT
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    if chat:
+        body.update(messages=[{"role": "user", "content": "Name three rivers."}])
+        body.update(logprobs=True, top_logprobs=2)
+    else:
+        body.update(prompt="Once upon a time, in a village by the sea,", logprobs=2)
+    job = JobStart(
+        job_id=JobId("j5"), model=ModelName(MODEL), endpoint=endpoint, stream=False, body=body
+    )
+    whole = ListSink()
+    await backend.run(job, whole)
+    [result] = whole.outcomes
+    assert isinstance(result, JobResult)
+    expected = orjson.loads(result.body)
+    assert len(expected["choices"][0]["logprobs"]["content"]) == 40
+    for at in (8, len(whole.chunks) - 2):
+        _, produced = _cut(whole, at)
+        entries = [
+            entry
+            for chunk, tokens in whole.chunks[:at]
+            if tokens
+            for entry in chunk["progress"]["logprobs"]
+        ]
+        assert len(entries) == len(produced)
+        head = whole.chunks[0][0]
+        resume = Continuation(
+            tokens=tuple(produced), id=head["id"], created=head["created"], logprobs=tuple(entries)
+        )
+        _forget(llama_url)
+        rest = ListSink()
+        await backend.run(job.model_copy(update={"resume": resume, "attempt": 2}), rest)
+        [done] = rest.outcomes
+        assert isinstance(done, JobResult)
+        assert orjson.loads(done.body)["choices"] == expected["choices"]

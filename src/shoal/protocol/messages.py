@@ -32,8 +32,9 @@ from shoal.protocol.shards import (
     TunnelDial,
 )
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Bumped on any incompatible change; a router refuses workers that speak another version.
+6: ``Continuation.logprobs`` (a non-streamed answer's earlier log-probabilities).
 5: chunks carry token ids (resuming answers); ``ShardStart`` names the stage's layers and the
 pinned file, ``ShardStatus`` reports its seeding; ``CacheChanged`` and ``Heartbeat.cached``
 report the prefixes a worker's slots hold (messages forbid unknown fields, so a v4 worker
@@ -302,6 +303,9 @@ class Continuation(Message):
     id: str | None = None
     """The completion id the client saw (its chunks keep it)."""
     created: int | None = None
+    logprobs: tuple[dict[str, Any], ...] = ()
+    """A non-streamed answer that asked for log-probabilities: those of ``tokens`` (one
+    entry each, as llama-server gave them), to put before the rest's."""
 
 
 class JobStart(Message):

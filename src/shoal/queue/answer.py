@@ -9,6 +9,7 @@ completes, None when the client's text is not exactly the text of the ids so far
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 
@@ -16,6 +17,10 @@ from shoal.protocol.messages import Continuation, Endpoint
 from shoal.queue.events import Trail
 
 RESUMABLE = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
+PROGRESS = '{"progress":'
+"""How a non-streamed answer's progress that carries log-probabilities begins (the worker's
+``WholeAnswer``): ``{"progress": {"logprobs": [...]}, "id": ..., "created": ...}``, one
+entry per id of its chunk. No streamed chunk begins so."""
 
 
 @dataclass(slots=True)
@@ -31,11 +36,16 @@ class AnswerSoFar:
     worker that lost its router)."""
     answer_id: str | None = None
     created: int | None = None
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    """A non-streamed answer's log-probabilities of ``tokens``, when it asked for them (its
+    progress carries them: ``PROGRESS``)."""
 
     @classmethod
     def going_on(cls, resume: Continuation) -> AnswerSoFar:
         """The answer of a run that goes on from ``resume``."""
-        return cls(True, list(resume.tokens), True, True, resume.id, resume.created)
+        answer = cls(True, list(resume.tokens), True, True, resume.id, resume.created)
+        answer.logprobs = list(resume.logprobs)
+        return answer
 
     @classmethod
     def unknown(cls) -> AnswerSoFar:
@@ -52,6 +62,8 @@ class AnswerSoFar:
         else:
             self.exact = True
             self.tokens += tokens
+            if tokens and data.startswith(PROGRESS):
+                self.logprobs += orjson.loads(data)["progress"]["logprobs"]
 
     def continuation(
         self, endpoint: Endpoint, resumes: int, resume_attempts: int
@@ -67,7 +79,12 @@ class AnswerSoFar:
             or resumes >= resume_attempts
         ):
             return None
-        return Continuation(tokens=tuple(self.tokens), id=self.answer_id, created=self.created)
+        return Continuation(
+            tokens=tuple(self.tokens),
+            id=self.answer_id,
+            created=self.created,
+            logprobs=tuple(self.logprobs),
+        )
 
 
 def trail_of(tokens: tuple[int, ...] | None, answer: AnswerSoFar) -> Trail:

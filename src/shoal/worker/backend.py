@@ -35,6 +35,7 @@ from shoal.worker.continuation import (
     WholeAnswer,
     client_wants_logprobs,
     continuation,
+    prefill_prompts,
     remaining_tokens,
     template_request,
     with_token_ids,
@@ -153,13 +154,12 @@ class Backend:
 
     def _tracks(self, job: JobStart) -> bool:
         """Whether this non-streamed job reports its token ids as progress (chunks the router
-        keeps and never sends on), to go on elsewhere and be answered whole. Not when the
-        client asked for log-probabilities: those of the tokens before would be missing."""
+        keeps and never sends on), to go on elsewhere and be answered whole (with the
+        log-probabilities of those ids when the client asked for them)."""
         return (
             self.target.token_ids
             and self._collects(job)
             and job.endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS)
-            and not client_wants_logprobs(job.body, job.endpoint)
         )
 
     def _request_body(self, job: JobStart, pin: Pin | None = None) -> bytes:
@@ -247,7 +247,8 @@ class Backend:
             )
         elif self._collects(job):
             chat = job.endpoint is Endpoint.CHAT
-            trail = TokenTrail(strip=True, chat=chat) if self._tracks(job) else None
+            strip = not client_wants_logprobs(job.body, job.endpoint)
+            trail = TokenTrail(strip=strip, chat=chat) if self._tracks(job) else None
             await self._collect(job, resp, out, WholeAnswer(trail), progress)
         elif not job.stream:
             body = self._rename((await resp.read()).decode())
@@ -301,13 +302,14 @@ class Backend:
             before = "" if job.stream else await self._text_of(resume.tokens)
             if pin is not None:
                 body["id_slot"] = pin.slot
+            await self._prefill(body, len(resume.tokens), pin)
         except NotResumable as exc:
             out.send(_not_resumable(job, str(exc)))
             return
         if not job.stream:
             splice.include_usage = True  # the whole answer has its usage
             if left is not None and left <= 0:  # lost between its last token and its end
-                collected = WholeAnswer(None, splice, before)
+                collected = WholeAnswer(None, splice, before, before_logprobs=resume.logprobs)
                 collected.take(_length_end(chat))
                 body_out = orjson.dumps(collected.answer(job.endpoint)).decode()
                 out.send(JobResult(job_id=job.job_id, body=self._rename(body_out)))
@@ -325,10 +327,24 @@ class Backend:
             strip = not client_wants_logprobs(job.body, job.endpoint)
             trail = TokenTrail(strip=strip, chat=False)
             if not job.stream:
-                collected = WholeAnswer(trail, splice, before)
+                collected = WholeAnswer(trail, splice, before, before_logprobs=resume.logprobs)
                 await self._collect(job, resp, out, collected, _Progress(started=True))
                 return
             await self._relay(job, resp, out, trail, splice, _Progress(started=True))
+
+    async def _prefill(self, body: dict[str, Any], produced: int, pin: Pin | None) -> None:
+        """Put the continuation's prompt into the slot's cache the way the original run
+        computed it (``prefill_prompts``: the prompt, then the produced ids a few at a time),
+        so that the continuation is exactly the uninterrupted answer."""
+        url = self.base_url() + "/completion"
+        for prompt in prefill_prompts(body["prompt"], produced):
+            step: dict[str, Any] = {"prompt": prompt, "n_predict": 0, "cache_prompt": True}
+            if pin is not None:
+                step["id_slot"] = pin.slot
+            async with await self._post(url, orjson.dumps(step)) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    raise NotResumable(error_from_body(resp.status, raw).message)
 
     async def _text_of(self, tokens: tuple[int, ...]) -> str:
         """The text of ``tokens`` as llama-server spells them: what a non-streamed answer had

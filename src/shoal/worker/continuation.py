@@ -175,7 +175,7 @@ def continuation(
     out.pop("stream_options", None)
     out.pop("top_logprobs", None)
     out.pop("logprobs", None)
-    out.update(prompt=prompt, stream=True)
+    out.update(prompt=prompt, stream=True, cache_prompt=True)  # (on ``prefill_prompts``)
     left = remaining_tokens(body, len(ids))
     if left is not None:
         out["max_tokens"] = left
@@ -185,6 +185,25 @@ def continuation(
     else:
         out.update(n_probs=1, post_sampling_probs=True)
     return out
+
+
+EXACT_BATCH = 32
+"""The most produced tokens llama-server is given to evaluate at once when going on. The CPU
+backend computes attention for a batch of 64 query rows or more another way (tiled, in F32)
+than for a few rows or one generated token (row by row, in F16): a prefix read back in one
+large batch rounds differently from the run that generated it, and a near-tie can flip
+(``benchmarks/resume_exactness.py``). Under 64 rows a row's result does not depend on the
+batch, so the produced ids are fed in steps this size."""
+
+
+def prefill_prompts(prompt: list[Any], produced: int, step: int = EXACT_BATCH) -> list[list[Any]]:
+    """The prompts evaluated (``n_predict: 0``, into the slot's cache) before the
+    continuation ``prompt`` (ending with ``produced`` ids), so that each reaches llama-server
+    as it did in the original run: the original prompt alone first (the batches its run
+    read it in), then the produced ids at most ``step`` at a time; the continuation itself
+    evaluates the last ``step`` or fewer."""
+    head = len(prompt) - produced
+    return [prompt[: head + k] for k in range(0, produced, step)]
 
 
 def template_request(body: dict[str, Any]) -> dict[str, Any]:
@@ -281,10 +300,22 @@ class WholeAnswer:
     ids: tuple[int, ...] | None = ()
     """The ids completed by the last chunk taken (None: no longer exactly known)."""
     lost: bool = False
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    """The log-probabilities seen, one per id, when the client asked for them."""
+    reported: int = 0
+    """How many of ``entries`` went out as progress."""
+    before_logprobs: tuple[dict[str, Any], ...] = ()
+    """Those of the ids produced before (``Continuation.logprobs``), put first."""
 
     def take(self, chunk: dict[str, Any]) -> str | None:
         """Keep one chunk; the progress to report for it (the answer's id and creation
-        time, with ``ids``), or None."""
+        time, with ``ids``; first, when the client asked for them, the log-probabilities of
+        those ids: ``queue.answer.PROGRESS``), or None."""
+        if self.trail is not None and not self.trail.strip:
+            for choice in chunk.get("choices") or ():
+                logprobs = choice.get("logprobs") if isinstance(choice, dict) else None
+                if isinstance(logprobs, dict):
+                    self.entries += logprobs.get("content") or ()
         released = self.trail.follow(chunk) if self.trail is not None else ()  # (strips)
         self.chunks += [chunk] if self.splice is None else list(self.splice.chunks(chunk))
         if self.trail is not None and self.trail.lost and not self.lost:
@@ -295,17 +326,25 @@ class WholeAnswer:
         else:
             self.ids = released
         head = self.chunks[-1] if self.chunks else chunk
-        return orjson.dumps({"id": head.get("id"), "created": head.get("created")}).decode()
+        progress: dict[str, Any] = {}
+        if self.trail is not None and not self.trail.strip and self.ids:
+            upto = self.reported + len(self.ids)
+            progress["progress"] = {"logprobs": self.entries[self.reported : upto]}
+            self.reported = upto
+        progress.update(id=head.get("id"), created=head.get("created"))
+        return orjson.dumps(progress).decode()
 
     def answer(self, endpoint: Endpoint) -> dict[str, Any]:
         body = aggregate(self.chunks, endpoint)
-        if self.before:
-            for choice in body["choices"][:1]:
-                if "message" in choice:
-                    message = choice["message"]
-                    message["content"] = self.before + (message.get("content") or "")
-                else:
-                    choice["text"] = self.before + choice["text"]
+        for choice in body["choices"][:1]:
+            if self.before and "message" in choice:
+                message = choice["message"]
+                message["content"] = self.before + (message.get("content") or "")
+            elif self.before:
+                choice["text"] = self.before + choice["text"]
+            if self.before_logprobs:
+                logprobs = choice.setdefault("logprobs", {})
+                logprobs["content"] = [*self.before_logprobs, *(logprobs.get("content") or ())]
         return body
 
 

@@ -79,6 +79,9 @@ def test_a_tenant_returns_to_the_worker_holding_its_prompt(
         return
     assert (a2, b2) == (a1, b1)
     assert a2_cached >= 300 and b2_cached >= 300  # the system prompt (~400 tokens) was reused
+    for proc in cluster.procs:  # each worker measured its llama-server's prompt speed
+        if proc.log_path.name.endswith("-worker.log"):
+            assert re.search(r"prompt speed: [\d.]+ ms per token", proc.log()), proc.log()[-2000:]
     held = by_id(router)
     assert held[a1]["cached_blocks"] and held[b1]["cached_blocks"]
     metrics = httpx.get(router.url + "/metrics", headers=router.headers, timeout=5).text

@@ -72,6 +72,8 @@ async def _hold_once(
         ([Slot(0, A[:2], busy=True), Slot(1, B)], (1, 0.0)),  # too little to wait for
         ([Slot(0, A, busy=True), Slot(1, A[:9])], (1, 0.0)),  # the idle one holds nearly as much
         ([Slot(0, A, busy=True), Slot(1, busy=True)], (None, len(A) * TOKEN_BLOCK * 0.01)),
+        # still computing that prefix: recomputing it now would halve both speeds
+        ([Slot(0, A, busy=True, computing=True), Slot(1, B)], (1, len(A) * TOKEN_BLOCK * 0.02)),
     ],
 )
 def test_plan_slot(slots: list[Slot], expected: tuple[int | None, float]) -> None:
@@ -101,8 +103,16 @@ async def test_the_wait_for_a_busy_slot_is_bounded() -> None:
 def test_observe_tracks_the_prompt_speed() -> None:
     table = SlotTable(1, lambda _: None)
     for _ in range(30):
-        table.observe(1000, 10.0)  # a loaded CPU: 100 prompt tokens/s
+        table.observe(0, 1000, 10.0)  # a loaded CPU: 100 prompt tokens/s
     assert table.s_per_token == pytest.approx(0.01, rel=1e-3)
     before = table.s_per_token
-    table.observe(3, 100.0)  # too few tokens to tell
+    table.observe(0, 3, 100.0)  # too few tokens to tell
     assert table.s_per_token == before
+
+
+def test_the_speed_measured_at_start_replaces_the_guess() -> None:
+    table = SlotTable(1, lambda _: None)
+    table.measured(128, 3.2)  # a loaded 2-core machine: 25 ms per prompt token
+    assert table.s_per_token == pytest.approx(0.025)
+    table.observe(0, 1000, 20.0)  # jobs refine it from there
+    assert 0.02 < table.s_per_token < 0.025

@@ -9,6 +9,10 @@ is); when its slots are full it spills to the next best worker, which then holds
 A worker that is full is never chosen and a job waits only when every worker is full, so no
 worker idles while another queues. With no prefix (``--routing least-loaded``, or a request
 shorter than a block) this is least-loaded routing.
+
+With several routers on one Redis, ``hold_for`` names the router whose worker
+``pick_worker`` would choose over the whole cluster, when that worker holds enough of the
+prefix to be worth a short wait in Redis (``queue/redis_claim.py``).
 """
 
 from __future__ import annotations

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
 from shoal.worker.slots import (
+    PROMPT_S_PER_TOKEN,
     TOKEN_BLOCK,
     Slot,
     SlotTable,
@@ -116,3 +118,20 @@ def test_the_speed_measured_at_start_replaces_the_guess() -> None:
     assert table.s_per_token == pytest.approx(0.025)
     table.observe(0, 1000, 20.0)  # jobs refine it from there
     assert 0.02 < table.s_per_token < 0.025
+
+
+async def test_until_measured_a_job_waits_for_the_slot_holding_its_prefix() -> None:
+    """The first jobs arrive while llama-server's prompt speed is being measured: a job
+    waits for the busy slot holding its prefix rather than compute it again at once."""
+    table = SlotTable(2, lambda _: None)
+    assert math.isinf(table.s_per_token)
+    async with table.hold(A, ()) as (first, _):
+        second = asyncio.create_task(_hold_once(table, A_THEN_MORE, ()))
+        await asyncio.sleep(0.05)
+        assert not second.done()
+    assert await second == (first, len(A) * TOKEN_BLOCK)
+    table.not_measured()  # the measurement failed: the guess
+    assert table.s_per_token == PROMPT_S_PER_TOKEN
+    table.observe(0, 1000, 10.0)
+    table.not_measured()  # a later failure keeps what jobs measured
+    assert table.s_per_token != PROMPT_S_PER_TOKEN

@@ -12,8 +12,8 @@ still takes a slot, holding nothing known.
 Each time llama-server becomes ready, ``run_measure`` computes one short prompt
 (``MEASURE_PROMPT``, about 128 tokens, not cached) on a slot it takes like a job and sets the
 table's prompt speed from llama-server's own ``timings``: how long a busy slot holding a
-job's prefix is worth waiting for is known before the first jobs arrive together (a fixed
-guess was 5 times too short on a loaded 2-core machine). Jobs that finish refine it.
+job's prefix is worth waiting for (a fixed guess was 5 times too short on a loaded 2-core
+machine). Until then a job waits for such a slot however long it takes; jobs refine it.
 """
 
 from __future__ import annotations
@@ -87,12 +87,16 @@ class SlotPinning:
                 got = await self._post("/completion", {**body, "id_slot": slot}, MEASURE_TIMEOUT)
         except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
             log.warning("could not measure llama-server's prompt speed: %r", exc)
+            self.table.not_measured()
             return
         timings = got.get("timings")
-        if isinstance(timings, dict):
-            n, ms = timings.get("prompt_n"), timings.get("prompt_ms")
-            if isinstance(n, int) and isinstance(ms, int | float) and n > 0 and ms > 0:
-                self.table.measured(n, ms / 1000)
+        n = timings.get("prompt_n") if isinstance(timings, dict) else None
+        ms = timings.get("prompt_ms") if isinstance(timings, dict) else None
+        if isinstance(n, int) and isinstance(ms, int | float) and n > 0 and ms > 0:
+            self.table.measured(n, ms / 1000)
+        else:
+            log.warning("could not measure llama-server's prompt speed: no timings in %.200s", got)
+            self.table.not_measured()
 
     @contextlib.asynccontextmanager
     async def pin(self, job: JobStart) -> AsyncIterator[Pin | None]:

@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
@@ -91,8 +92,10 @@ MIN_WAIT_GAIN_TOKENS = 128
 """A busy slot is worth waiting for only when it holds at least this many more tokens of the
 prompt than the best idle slot."""
 PROMPT_S_PER_TOKEN = 0.005
-"""How long computing one prompt token takes, until measured (a CPU at ~200 tokens/s):
-``measured`` replaces it as llama-server starts (``pinning.SlotPinning.measure``)."""
+"""How long computing one prompt token takes when it cannot be measured (a CPU at ~200
+tokens/s). Until the measurement as llama-server starts (``pinning.SlotPinning.measure``)
+ends, the speed is unknown (``math.inf``): a job waits for a busy slot holding its prefix
+however long that takes, as the first jobs often arrive while the measurement runs."""
 _RATE_WEIGHT = 0.3
 """Weight of the newest measurement in the running prompt speed."""
 
@@ -122,7 +125,7 @@ class SlotTable:
         self._on_change = on_change
         self._taken = 0
         self._waiters: list[asyncio.Future[None]] = []
-        self.s_per_token = PROMPT_S_PER_TOKEN
+        self.s_per_token = math.inf
         """Seconds one prompt token takes to compute here, as measured (``observe``)."""
 
     def observe(self, slot: int, computed: int, seconds: float) -> None:
@@ -131,7 +134,10 @@ class SlotTable:
         self.slots[slot].computing = False
         if computed >= TOKEN_BLOCK and seconds > 0:
             rate = seconds / computed
-            self.s_per_token += _RATE_WEIGHT * (rate - self.s_per_token)
+            if math.isinf(self.s_per_token):
+                self.s_per_token = rate
+            else:
+                self.s_per_token += _RATE_WEIGHT * (rate - self.s_per_token)
 
     def measured(self, computed: int, seconds: float) -> None:
         """llama-server computed ``computed`` prompt tokens in ``seconds`` as it started: the
@@ -142,6 +148,11 @@ class SlotTable:
             seconds * 1000 / computed,
             computed,
         )
+
+    def not_measured(self) -> None:
+        """The measurement failed: the guess, unless jobs measured it meanwhile."""
+        if math.isinf(self.s_per_token):
+            self.s_per_token = PROMPT_S_PER_TOKEN
 
     def summary(self) -> tuple[int, ...]:
         """The content hashes the slots hold, sorted: what the router matches on."""
@@ -166,7 +177,8 @@ class SlotTable:
                 deadline = loop.time() + worth
             if loop.time() >= deadline:
                 break
-            await self._released(deadline - loop.time())  # a busy slot holds more
+            left = deadline - loop.time()  # a busy slot holds more: wait for it, that long
+            await self._released(None if math.isinf(left) else left)
         slot = self.slots[chosen]
         reused = held_blocks(blocks, slot.blocks) * TOKEN_BLOCK
         self._taken += 1

@@ -24,10 +24,17 @@ itself (the request's ``id_slot``), so it knows exactly what every slot holds:
 Every change calls ``on_change`` with the summary the router matches on: the set of
 content hashes the slots hold (at most ``slots × prefix.MAX_BLOCKS``).
 
-llama-server's host-memory prompt cache (``--cache-ram``) is not counted: a request pinned
-to a slot whose holding it shares less than ``--slot-prompt-similarity`` of bypasses it
-(``get_available_slot`` in tools/server/server-context.cpp updates that cache only for a slot
-it found by similarity or by LRU itself), so what the slots hold is all this worker holds.
+llama-server's host-memory prompt cache (``--cache-ram``, 8 GiB by default in the pinned
+build) is not counted. With ``--cache-idle-slots`` (on by default) every idle slot's prompt
+is copied into it as each task starts, but it is read back only in ``get_available_slot``
+(tools/server/server-context.cpp) when that function picked the slot by LRU itself (no
+``id_slot``) or the slot shares more than ``--slot-prompt-similarity`` (0.1) of the request
+yet keeps under half of its own tokens. A job pinned with ``id_slot`` to a slot holding
+another prompt shares less than 0.1 of it, so it never loads from that cache: what the
+slots hold is all this worker can reuse. (Using it would mean sending such jobs unpinned and
+learning the slot afterwards.) Shoal passes ``--parallel``, so the KV cache is not unified
+(``kv_unified = false`` in llama-server's log) and idle slots are saved but not cleared:
+what the table says a slot holds stays true.
 """
 
 from __future__ import annotations

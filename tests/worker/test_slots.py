@@ -135,3 +135,14 @@ async def test_until_measured_a_job_waits_for_the_slot_holding_its_prefix() -> N
     table.observe(0, 1000, 10.0)
     table.not_measured()  # a later failure keeps what jobs measured
     assert table.s_per_token != PROMPT_S_PER_TOKEN
+
+
+async def test_a_job_waiting_until_measured_looks_again_once_measured() -> None:
+    table = SlotTable(2, lambda _: None)
+    async with table.hold(A, ()) as (first, _):  # a long answer, say
+        second = asyncio.create_task(_hold_once(table, A_THEN_MORE, ()))
+        await asyncio.sleep(0.05)
+        assert not second.done()  # the speed is not known: it waits
+        table.measured(1000, 0.001)  # recomputing is quick: no longer worth waiting
+        slot, reused = await asyncio.wait_for(second, 1.0)
+        assert slot != first and reused == 0

@@ -150,6 +150,7 @@ class SlotTable:
         """llama-server computed ``computed`` prompt tokens in ``seconds`` as it started: the
         prompt speed from now on (until jobs refine it, ``observe``)."""
         self.s_per_token = seconds / computed
+        self._wake()  # jobs waiting for a busy slot until the speed was known look again
         log.info(
             "prompt speed: %.1f ms per token (%d tokens measured)",
             seconds * 1000 / computed,
@@ -160,6 +161,7 @@ class SlotTable:
         """The measurement failed: the guess, unless jobs measured it meanwhile."""
         if math.isinf(self.s_per_token):
             self.s_per_token = PROMPT_S_PER_TOKEN
+            self._wake()
 
     def summary(self) -> tuple[int, ...]:
         """The content hashes the slots hold, sorted: what the router matches on."""
@@ -172,7 +174,7 @@ class SlotTable:
         """Take a slot for one job whose prompt is ``blocks``; yields the slot's id and the
         tokens it is expected to reuse. The slot is free again when the block exits."""
         loop = asyncio.get_running_loop()
-        deadline: float | None = None
+        since: float | None = None  # when it started to wait for a busy slot holding more
         while True:
             chosen, worth = plan_slot(self.slots, blocks, self.s_per_token)
             if chosen is None:
@@ -180,11 +182,11 @@ class SlotTable:
                 continue
             if worth <= 0:
                 break  # no busy slot holds more than this one
-            if deadline is None:
-                deadline = loop.time() + worth
-            if loop.time() >= deadline:
+            if since is None:
+                since = loop.time()
+            left = since + worth - loop.time()  # at the speed known now (woken when measured)
+            if left <= 0:
                 break
-            left = deadline - loop.time()  # a busy slot holds more: wait for it, that long
             await self._released(None if math.isinf(left) else left)
         slot = self.slots[chosen]
         reused = held_blocks(blocks, slot.blocks) * TOKEN_BLOCK

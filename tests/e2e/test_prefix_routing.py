@@ -1,19 +1,23 @@
 """Cache-aware routing through real routers, workers and llama-servers (``--routing prefix``):
 a tenant's requests go back to the worker whose llama-server holds its system prompt and
 reuse it; a hot tenant stays there while a slot is free, then spills to another worker; a
-restarted llama-server holds nothing, and the router stops counting on it."""
+restarted llama-server holds nothing, and the router stops counting on it. With several
+routers on one Redis, a request sent to one router waits briefly for the router whose worker
+holds its prompt."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
+import redis
 
 from cluster import MODEL, Cluster, Router, wait_until
 
@@ -75,6 +79,9 @@ def test_a_tenant_returns_to_the_worker_holding_its_prompt(
         return
     assert (a2, b2) == (a1, b1)
     assert a2_cached >= 300 and b2_cached >= 300  # the system prompt (~400 tokens) was reused
+    for proc in cluster.procs:  # each worker measured its llama-server's prompt speed
+        if proc.log_path.name.endswith("-worker.log"):
+            assert re.search(r"prompt speed: [\d.]+ ms per token", proc.log()), proc.log()[-2000:]
     held = by_id(router)
     assert held[a1]["cached_blocks"] and held[b1]["cached_blocks"]
     metrics = httpx.get(router.url + "/metrics", headers=router.headers, timeout=5).text
@@ -137,3 +144,48 @@ def test_a_restarted_llama_server_holds_nothing(cluster: Cluster, make_client: C
     # Were tenant-a's prompt still counted on `first`, it would go there; it goes by load.
     back, _ = ask(client, "tenant-a", "Hello again?", rules=short)
     assert back == other
+
+
+@pytest.fixture
+def redis_prefix() -> Iterator[str]:
+    prefix = f"shoal-e2e-{uuid.uuid4().hex[:8]}:"
+    yield prefix
+    client = redis.Redis(host="127.0.0.1", port=6379)
+    try:
+        for key in client.scan_iter(match=prefix + "*", count=500):
+            client.unlink(key)
+    finally:
+        client.close()
+
+
+def test_a_prefix_held_behind_another_router_is_reused_there(
+    cluster: Cluster, make_client: Client, redis_prefix: str
+) -> None:
+    """Two routers on one Redis, one worker each: a tenant's second request, sent to the
+    router that does not hold the worker that served its first, is held for the router that
+    does, and lands on that worker, reusing its system prompt."""
+    shared = ("--redis-url", "redis://127.0.0.1:6379/0", "--redis-prefix", redis_prefix)
+    routers = [cluster.router(*shared) for _ in range(2)]
+    for router, name in zip(routers, ("w1", "w2"), strict=True):
+        cluster.worker(router, "--slots", "2", name=name)
+        router.wait_workers(1)
+    for router in routers:
+        wait_until(lambda r=router: len(r.workers()) == 2 or None, 15, "both workers listed")
+    owner = {
+        w["id"]: r
+        for r, name in zip(routers, ("w1", "w2"), strict=True)
+        for w in r.workers()
+        if w["name"] == name
+    }
+    for first_to, tenant in zip(routers, ("tenant-a", "tenant-b"), strict=True):
+        served, _ = ask(make_client(first_to.url), tenant)
+        other = next(r for r in routers if r is not owner[served])
+        wait_until(
+            lambda o=other, w=served: by_id(o)[w]["cached_blocks"] or None,
+            15,
+            "the other router to see what the worker holds",
+        )
+        again, cached = ask(make_client(other.url), tenant, "And then?")
+        assert again == served
+        assert cached >= 300  # the system prompt (~400 tokens) was reused
+        assert "whose worker holds its prefix" in other.proc.log()

@@ -306,7 +306,7 @@ async def test_consumer_dead_between_take_and_hand_over(queue: Factory) -> None:
     kept, cancelled = job(), job()
     for j in (kept, cancelled):
         await router.enqueue(j)
-    taken, _ = await ghost._take([ghost.keys.queue_keys(*CHAT)], 5)
+    taken, _, _ = await ghost._take([ghost.keys.queue_keys(*CHAT)], 5)
     assert len(taken) == 2
     assert await router.cancel(cancelled.id) is JobStatus.RUNNING
     await asyncio.sleep(LEASE_MS / 1000 + 0.05)

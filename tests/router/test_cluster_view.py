@@ -75,16 +75,16 @@ class RouterApp:
 
 
 @pytest.fixture
-async def routers(tmp_path: Path, redis_prefix: str) -> AsyncIterator[Callable[[], RouterApp]]:
+async def routers(tmp_path: Path, redis_prefix: str) -> AsyncIterator[Callable[..., RouterApp]]:
     """Makes routers sharing the real Redis under this test's prefix; all stopped after."""
     made: list[RouterApp] = []
     tasks: list[asyncio.Task[None]] = []
 
-    def make() -> RouterApp:
+    def make(heartbeat_interval: float = HEARTBEAT_S) -> RouterApp:
         settings = RouterSettings(
             redis_url="redis://127.0.0.1:6379/0",
             redis_prefix=redis_prefix,
-            heartbeat_interval=HEARTBEAT_S,
+            heartbeat_interval=heartbeat_interval,
             database_url=f"sqlite:///{tmp_path}/keys.db",
         )
         router = RouterApp(build_app(settings))
@@ -220,3 +220,25 @@ async def test_every_router_sees_what_each_workers_slots_hold(
     a.dispatcher.workers.on_message(worker, CacheChanged(blocks=()))
     a.dispatcher.directory.changed()
     await until(lambda: held() == frozenset(), "B to see them cleared")
+
+
+async def test_what_a_worker_holds_reaches_the_other_routers_promptly(
+    routers: Callable[..., RouterApp],
+) -> None:
+    """A slot's new holding is pushed to Redis within ``PUSH_GAP_S``, not at the (here
+    6 s) directory interval, and the other router holds a job with that prefix for it."""
+    a, b = routers(heartbeat_interval=6.0), routers()
+    worker = connect(a.dispatcher, "wa", slots=2)
+    await until(lambda: b.dispatcher.remote_workers(), "B to list A's worker (join: at once)")
+    chain = tuple(range(11, 21))  # ten blocks: ~640 tokens, worth waiting for
+    assert b.dispatcher.directory.hold_for(M, Endpoint.CHAT, chain) is None  # held nowhere
+    started = asyncio.get_running_loop().time()
+    a.dispatcher.workers.on_message(worker, CacheChanged(blocks=chain))
+    await until(
+        lambda: b.dispatcher.remote_workers()[0].cached == frozenset(chain),
+        "B to see what A's worker's slots hold",
+    )
+    assert asyncio.get_running_loop().time() - started < 2.0  # not A's 6 s interval
+    assert b.dispatcher.directory.hold_for(M, Endpoint.CHAT, chain) == a.dispatcher.name
+    assert a.dispatcher.directory.hold_for(M, Endpoint.CHAT, chain) == a.dispatcher.name
+    assert b.dispatcher.directory.hold_for(M, Endpoint.CHAT, chain[:2]) is None  # too short

@@ -11,8 +11,10 @@ from shoal.protocol.messages import Endpoint
 from shoal.protocol.prefix import expected_tokens
 from shoal.router.dispatch.scheduler import (
     LOAD_COST_TOKENS,
+    MIN_HOLD_TOKENS,
     WorkerLoad,
     expected_reuse,
+    hold_for,
     pick_worker,
 )
 
@@ -148,3 +150,55 @@ def test_prefix_routing_properties(workers: list[WorkerLoad]) -> None:
         slack = LOAD_COST_TOKENS // expected_tokens(1)
         assert len(picked.cached) >= len(CHAIN) - slack
     assert pick_worker(list(reversed(workers)), M, CHAT, CHAIN) == chosen
+
+
+# ---------------------------------------------------------------- several routers: holds
+
+
+@pytest.mark.parametrize(
+    ("owned", "expected"),
+    [
+        ([], None),
+        ([("r1", c("a")), ("r2", c("b"))], None),  # nobody holds the prefix: anyone's
+        ([("r1", c("a")), ("r2", c("b", cached=HOT))], "r2"),  # held behind router r2
+        ([("r1", c("a", cached=HOT)), ("r2", c("b"))], "r1"),  # or this router's own
+        ([("r1", c("a")), ("r2", c("b", running=3, cached=HOT))], "r2"),  # busy, a slot free
+        ([("r1", c("a")), ("r2", c("b", running=4, cached=HOT))], None),  # full: never held
+        ([("r1", c("a")), ("r2", c("b", cached=HOT, ready=False))], None),  # restarting
+        ([("r1", c("a")), ("r2", c("b", cached=SHORT))], None),  # too little to wait for
+        ([("r1", c("a", cached=HALF)), ("r2", c("b", cached=HOT))], "r2"),  # the longest
+    ],
+)
+def test_hold_for_table(owned: list[tuple[str, WorkerLoad]], expected: str | None) -> None:
+    assert hold_for(owned, M, CHAT, CHAIN) == expected
+
+
+def test_no_prefix_is_never_held() -> None:
+    assert hold_for([("r2", c("b", cached=HOT))], M, CHAT, ()) is None
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["r1", "r2", "r3"]), cached_loads),
+        max_size=6,
+        unique_by=lambda x: x[1].id,
+    )
+)
+def test_hold_for_properties(owned: list[tuple[str, WorkerLoad]]) -> None:
+    router = hold_for(owned, M, CHAT, CHAIN)
+    chosen = pick_worker([w for _, w in owned], M, CHAT, CHAIN)
+    if router is None:
+        # anyone's: no worker can take it, or the one the scheduler picks gains too little
+        assert (
+            chosen is None
+            or expected_reuse(next(w for _, w in owned if w.id == chosen), CHAIN) < MIN_HOLD_TOKENS
+        )
+        return
+    # held only for the router of the worker the scheduler would pick over the whole
+    # cluster, which has a slot free and holds enough of the prefix: so a held job never
+    # waits for a worker that cannot take it at once
+    owner, worker = next((o, w) for o, w in owned if w.id == chosen)
+    assert router == owner
+    assert worker.ready and worker.running < worker.slots
+    assert expected_reuse(worker, CHAIN) >= MIN_HOLD_TOKENS
+    assert hold_for(list(reversed(owned)), M, CHAT, CHAIN) == router

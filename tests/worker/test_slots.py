@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
 from shoal.worker.slots import (
+    PROMPT_S_PER_TOKEN,
     TOKEN_BLOCK,
     Slot,
     SlotTable,
@@ -72,6 +74,8 @@ async def _hold_once(
         ([Slot(0, A[:2], busy=True), Slot(1, B)], (1, 0.0)),  # too little to wait for
         ([Slot(0, A, busy=True), Slot(1, A[:9])], (1, 0.0)),  # the idle one holds nearly as much
         ([Slot(0, A, busy=True), Slot(1, busy=True)], (None, len(A) * TOKEN_BLOCK * 0.01)),
+        # still computing that prefix: recomputing it now would halve both speeds
+        ([Slot(0, A, busy=True, computing=True), Slot(1, B)], (1, len(A) * TOKEN_BLOCK * 0.02)),
     ],
 )
 def test_plan_slot(slots: list[Slot], expected: tuple[int | None, float]) -> None:
@@ -101,8 +105,44 @@ async def test_the_wait_for_a_busy_slot_is_bounded() -> None:
 def test_observe_tracks_the_prompt_speed() -> None:
     table = SlotTable(1, lambda _: None)
     for _ in range(30):
-        table.observe(1000, 10.0)  # a loaded CPU: 100 prompt tokens/s
+        table.observe(0, 1000, 10.0)  # a loaded CPU: 100 prompt tokens/s
     assert table.s_per_token == pytest.approx(0.01, rel=1e-3)
     before = table.s_per_token
-    table.observe(3, 100.0)  # too few tokens to tell
+    table.observe(0, 3, 100.0)  # too few tokens to tell
     assert table.s_per_token == before
+
+
+def test_the_speed_measured_at_start_replaces_the_guess() -> None:
+    table = SlotTable(1, lambda _: None)
+    table.measured(128, 3.2)  # a loaded 2-core machine: 25 ms per prompt token
+    assert table.s_per_token == pytest.approx(0.025)
+    table.observe(0, 1000, 20.0)  # jobs refine it from there
+    assert 0.02 < table.s_per_token < 0.025
+
+
+async def test_until_measured_a_job_waits_for_the_slot_holding_its_prefix() -> None:
+    """The first jobs arrive while llama-server's prompt speed is being measured: a job
+    waits for the busy slot holding its prefix rather than compute it again at once."""
+    table = SlotTable(2, lambda _: None)
+    assert math.isinf(table.s_per_token)
+    async with table.hold(A, ()) as (first, _):
+        second = asyncio.create_task(_hold_once(table, A_THEN_MORE, ()))
+        await asyncio.sleep(0.05)
+        assert not second.done()
+    assert await second == (first, len(A) * TOKEN_BLOCK)
+    table.not_measured()  # the measurement failed: the guess
+    assert table.s_per_token == PROMPT_S_PER_TOKEN
+    table.observe(0, 1000, 10.0)
+    table.not_measured()  # a later failure keeps what jobs measured
+    assert table.s_per_token != PROMPT_S_PER_TOKEN
+
+
+async def test_a_job_waiting_until_measured_looks_again_once_measured() -> None:
+    table = SlotTable(2, lambda _: None)
+    async with table.hold(A, ()) as (first, _):  # a long answer, say
+        second = asyncio.create_task(_hold_once(table, A_THEN_MORE, ()))
+        await asyncio.sleep(0.05)
+        assert not second.done()  # the speed is not known: it waits
+        table.measured(1000, 0.001)  # recomputing is quick: no longer worth waiting
+        slot, reused = await asyncio.wait_for(second, 1.0)
+        assert slot != first and reused == 0

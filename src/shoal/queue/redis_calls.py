@@ -1,11 +1,11 @@
 """How the Redis job queue talks to Redis: its Lua scripts by name, every call riding out an
 outage.
 
-Every script of ``redis_scripts`` that works on jobs takes the same leading arguments (the
-group, this consumer, the key prefixes, the output stream's limits); ``QueueCalls.run``
-prepends them. Every call, scripted or not, goes through ``retry``: it is retried with
-backoff for ``outage_s`` while Redis is unreachable (``redis_support.retrying``), which is
-safe because each step is idempotent, and the outage is logged once (``OutageLog``).
+Every script of ``redis_scripts`` (and ``redis_claim``'s ``TAKE``) that works on jobs takes the same
+leading arguments (the group, this consumer, the key prefixes, the output stream's limits);
+``QueueCalls.run`` prepends them. Every call, scripted or not, goes through ``retry``: it is retried
+with backoff for ``outage_s`` while Redis is unreachable (``redis_support.retrying``), which is safe
+because each step is idempotent, and the outage is logged once (``OutageLog``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 from redis.typing import EncodableT
 
-from shoal.queue import redis_scripts
+from shoal.queue import redis_claim, redis_scripts
 from shoal.queue.redis_keys import (
     FINISHED_TTL_MS,
     GROUP,
@@ -66,7 +66,8 @@ class QueueCalls:
             FINISHED_TTL_MS,
         ]
         self._scripts = {
-            name: redis.register_script(getattr(redis_scripts, name)) for name in SCRIPTS
+            name: redis.register_script(getattr(redis_scripts, name, None) or redis_claim.TAKE)
+            for name in SCRIPTS
         }
 
     async def run(self, name: str, keys: Sequence[str], args: Iterable[EncodableT]) -> Any:

@@ -1,6 +1,6 @@
 """The job queue's Lua scripts: each step of a job's life is one atomic script.
 
-Every script starts with ``_PRELUDE``, which names the common arguments (ARGV[1..7]:
+Every script starts with ``PRELUDE``, which names the common arguments (ARGV[1..7]:
 group, consumer, job key prefix, output suffix, output MAXLEN, output TTL, finished TTL);
 a script's own arguments start at ARGV[8]. Key names come from ``redis_keys``: the queue
 streams are passed in, job keys are the job key prefix plus an id read from Redis.
@@ -18,20 +18,20 @@ Job states (the hash field ``state``)::
        └─requeue/reclaim──┘  (only while nothing was published: ``started`` unset)
     waiting ──cancel──▶ cancelled
 
-A waiting job is a member of its queue's sorted set (``qr``, or ``qb`` for batch work not
-aged yet), scored by its start tag: start-time fair queueing between API keys, the same
-arithmetic as ``router/dispatch/fair_queue.py`` (checked against it with hypothesis in
-``tests/queue/test_redis_fairness.py``). ``enwait`` computes the tag as the job starts to
-wait; ``TAKE`` takes the smallest tag, moves the virtual time and gives the job a stream
-entry delivered to the claiming consumer in the same script: the lease. A queue entry lives
-from that claim until its job ends or goes back to wait (first in its class, as
-``FairQueue.push_front``), when it is deleted. Every count of waiting jobs (per queue, per
-key) changes in the same script as the job's state.
+A waiting job is a member of its queue's sorted set (``qr``, or ``qb`` for batch work not aged yet),
+scored by its start tag: start-time fair queueing between API keys, the same arithmetic as
+``router/dispatch/fair_queue.py`` (checked against it with hypothesis in
+``tests/queue/test_redis_fairness.py``). ``enwait`` computes the tag as the job starts to wait;
+``TAKE`` (``redis_claim``) takes the smallest tag, moves the virtual time and gives the job a stream
+entry delivered to the claiming consumer in the same script: the lease. A queue entry lives from
+that claim until its job ends or goes back to wait (first in its class, as
+``FairQueue.push_front``), when it is deleted. Every count of waiting jobs (per queue, per key)
+changes in the same script as the job's state.
 """
 
 from __future__ import annotations
 
-_PRELUDE = """
+PRELUDE = """
 local G, C, JP, OS = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local OUTMAX, OUTTTL, FINTTL = ARGV[5], ARGV[6], ARGV[7]
 
@@ -82,6 +82,7 @@ local function enwait(id, front)
   local tag, seq = v, 0
   if front then
     seq = 1e15 - redis.call('HINCRBY', fair, 'front', 1)
+    redis.call('HDEL', j, 'for')  -- put back: any consumer may take it
   else
     seq = 1e15 + redis.call('HINCRBY', fair, 'seq', 1)
     local last = redis.call('HGET', fair, 'f:' .. who)
@@ -167,11 +168,12 @@ end
 """
 
 ENQUEUE = (
-    _PRELUDE
+    PRELUDE
     + """
 -- KEYS: job hash, queue stream, queue registry, ready, batch, aging, fair, wake, per-key
 -- counts. ARGV[8..]: max_len, job ttl, model, endpoint, stream flag, body, job id, key,
--- weight, class, work, mode (fair|fifo), the key's max_queued (-1: none).
+-- weight, class, work, mode (fair|fifo), the key's max_queued (-1: none), the consumer it
+-- is held for ('' none) and for how many ms (``redis_claim``).
 -- Returns {1 added | 0 duplicate | -1 queue full | -2 key over its cap, depth or its count}.
 local depth = redis.call('XLEN', KEYS[2]) + redis.call('ZCARD', KEYS[4])
               + redis.call('ZCARD', KEYS[5])
@@ -188,6 +190,9 @@ redis.call('HSET', KEYS[1], 'model', ARGV[10], 'endpoint', ARGV[11], 'stream', A
            'tenant', who, 'weight', ARGV[16], 'prio', ARGV[17], 'work', ARGV[18],
            'mode', ARGV[19], 'attempt', 0, 'seq', 0,
            'created', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+if ARGV[21] ~= '' then
+  redis.call('HSET', KEYS[1], 'for', ARGV[21], 'until', now_ms() + tonumber(ARGV[22]))
+end
 redis.call('PEXPIRE', KEYS[1], ARGV[9])
 redis.call('SADD', KEYS[3], KEYS[2])
 enwait(ARGV[14], false)
@@ -195,108 +200,8 @@ return {1, depth + 1}
 """
 )
 
-TAKE = (
-    _PRELUDE
-    + """
--- Take up to ARGV[8] waiting jobs for C, without blocking: in each queue the smallest start
--- tag (interactive and aged batch first), across queues the head that waited longest.
--- ARGV[9]: batch aging in ms. KEYS[1]: the per-key counts; then per queue its six keys
--- (stream, ready, batch, aging, fair, wake). Returns {jobs taken, per queue the last
--- wake-up id}: a claimer that got nothing blocks on the wake streams from those ids.
-local count, aging_ms, kw = tonumber(ARGV[8]), tonumber(ARGV[9]), KEYS[1]
-local now = now_ms()
-local qs = {}
-for i = 2, #KEYS, 6 do
-  local Q = {q = KEYS[i], ready = KEYS[i + 1], batch = KEYS[i + 2], aging = KEYS[i + 3],
-             fair = KEYS[i + 4], wake = KEYS[i + 5]}
-  if redis.call('EXISTS', Q.q) == 0 then
-    redis.call('XGROUP', 'CREATE', Q.q, G, '$', 'MKSTREAM')
-  end
-  promote(Q.ready, Q.batch, Q.aging, now, aging_ms)
-  qs[#qs + 1] = Q
-end
-
--- the next job of a queue; members whose job expired are forgotten with their count
-local function head(Q)
-  while true do
-    local cls, r = 0, redis.call('ZRANGE', Q.ready, 0, 0)
-    if #r == 0 then cls, r = 1, redis.call('ZRANGE', Q.batch, 0, 0) end
-    if #r == 0 then return nil end
-    local m = r[1]
-    local id, who = string.match(m, '^%d+:([^:]+):(.*)$')
-    local f = redis.call('HMGET', JP .. id, 'state', 'member', 'since', 'tag')
-    if f[1] == 'waiting' and f[2] == m then
-      return {cls = cls, since = tonumber(f[3]), tag = tonumber(f[4]), m = m, id = id, who = who}
-    end
-    redis.call('ZREM', Q.ready, m)
-    redis.call('ZREM', Q.batch, m)
-    redis.call('ZREM', Q.aging, m)
-    tally(Q.fair, kw, who, -1)
-  end
-end
-
--- a key whose finish tag is behind the virtual time starts at V anyway: its tag is
--- dropped unless it has jobs waiting (FairQueue._forget_idle)
-local function forget(fair, v)
-  local h = redis.call('HGETALL', fair)
-  local busy = {}
-  for i = 1, #h, 2 do
-    if string.sub(h[i], 1, 2) == 'n:' then busy[string.sub(h[i], 3)] = true end
-  end
-  for i = 1, #h, 2 do
-    local k = h[i]
-    if string.sub(k, 1, 2) == 'f:' and not busy[string.sub(k, 3)]
-       and tonumber(h[i + 1]) <= v then
-      redis.call('HDEL', fair, k)
-    end
-  end
-end
-
-local taken, heads = {}, {}
-for i, Q in ipairs(qs) do heads[i] = head(Q) end
-while #taken < count do
-  local best = nil
-  for i = 1, #qs do
-    local h, b = heads[i], heads[best or i]
-    if h and (best == nil or h.cls < b.cls or (h.cls == b.cls and h.since < b.since)) then
-      best = i
-    end
-  end
-  if best == nil then break end
-  local Q, h = qs[best], heads[best]
-  redis.call('ZREM', Q.ready, h.m)
-  redis.call('ZREM', Q.batch, h.m)
-  redis.call('ZREM', Q.aging, h.m)
-  tally(Q.fair, kw, h.who, -1)
-  local v = tonumber(redis.call('HGET', Q.fair, 'v') or '0')
-  if h.tag > v then
-    v = h.tag
-    redis.call('HSET', Q.fair, 'v', fmt(v))
-  end
-  forget(Q.fair, v)
-  -- the lease: an entry delivered to C at once (every other entry was, when it was added)
-  local entry = redis.call('XADD', Q.q, '*', 'job', h.id)
-  while true do
-    local e = redis.call('XREADGROUP', 'GROUP', G, C, 'COUNT', 1, 'STREAMS', Q.q, '>')[1][2][1]
-    if e[1] == entry then break end
-    drop(Q.q, e[1])  -- left by an older layout: no job waits on it
-  end
-  redis.call('HSET', JP .. h.id, 'entry', entry)
-  local got = start(Q.q, entry, h.id, false)
-  if got then taken[#taken + 1] = got end
-  heads[best] = head(Q)
-end
-local cursors = {}
-for i, Q in ipairs(qs) do
-  local last = redis.call('XREVRANGE', Q.wake, '+', '-', 'COUNT', 1)
-  cursors[i] = (#last > 0 and last[1][1]) or '0-0'
-end
-return {taken, cursors}
-"""
-)
-
 POSITIONS = (
-    _PRELUDE
+    PRELUDE
     + """
 -- Places of waiting jobs: how many jobs of their queue go first. ARGV[8] batch aging in ms,
 -- ARGV[9..] job ids. Per job its place, or -1 if it does not wait.
@@ -337,7 +242,7 @@ return 1
 """
 
 RECLAIM = (
-    _PRELUDE
+    PRELUDE
     + """
 -- Take over entries of KEYS[1] idle for ARGV[8] ms (their holder stopped renewing).
 -- ARGV[9] count, ARGV[10] '1' to run them here or '0' to put them back in the queue,
@@ -397,7 +302,7 @@ return res
 )
 
 RENEW = (
-    _PRELUDE
+    PRELUDE
     + """
 -- Extend C's leases. ARGV[8..]: (job id, entry) pairs. Per job: 1 held, 0 lost, 2 cancelled.
 local res = {}
@@ -421,7 +326,7 @@ return res
 )
 
 PUBLISH = (
-    _PRELUDE
+    PRELUDE
     + """
 -- what the client has of the answer (a Trail event): ids appended, exact flag, head once
 local function trail(j, t)
@@ -487,7 +392,7 @@ return res
 )
 
 ACK = (
-    _PRELUDE
+    PRELUDE
     + """
 -- C is done with these jobs. ARGV[8] is the Failed event for a job still running (it ended
 -- without a final event); ARGV[9..]: (job id, entry) pairs. Per job: 1 acked, 0 not C's.
@@ -513,7 +418,7 @@ return res
 )
 
 GIVE_BACK = (
-    _PRELUDE
+    PRELUDE
     + """
 -- C puts a job it holds back in its queue (first in its class). ARGV[8] job id, ARGV[9] entry,
 -- ARGV[10] the Requeued event. Returns 1 requeued, 0 not C's job, -1 it already answered.
@@ -528,7 +433,7 @@ return 1
 )
 
 GO_ON = (
-    _PRELUDE
+    PRELUDE
     + """
 -- C puts back a job that answered in part, to go on elsewhere (its worker was lost): first
 -- in its class, with what the client has (ARGV[11], the continuation) for the next
@@ -545,7 +450,7 @@ return 1
 )
 
 ADOPT = (
-    _PRELUDE
+    PRELUDE
     + """
 -- C takes over a running job from a holder that is still answering through C (a worker
 -- that reconnected to another router). Output so far stays; the old holder is fenced off.
@@ -564,7 +469,7 @@ return {id, q, entry, tonumber(f[4]), f[5], f[6], f[7], f[8], f[9], f[11] or '',
 )
 
 CANCEL = (
-    _PRELUDE
+    PRELUDE
     + """
 -- Cancel a job. ARGV[8] job id, ARGV[9] '1' to cancel only a waiting job, ARGV[10] and
 -- ARGV[11] the consumer cancel-list key around the holder's name, ARGV[12] that list's TTL.
@@ -603,7 +508,7 @@ return res
 """
 
 PRUNE = (
-    _PRELUDE
+    PRELUDE
     + """
 -- Delete consumers of KEYS[1]'s group that hold nothing and were given nothing for
 -- ARGV[8] ms (mostly processes that went away). Atomic, so no consumer loses entries it

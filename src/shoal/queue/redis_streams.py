@@ -196,9 +196,12 @@ class RedisJobQueue:
 
     # ------------------------------------------------------------ client side
 
-    async def enqueue(self, job: QueuedJob, share: Share | None = None) -> bool:
+    async def enqueue(
+        self, job: QueuedJob, share: Share | None = None, hold: tuple[str, int] | None = None
+    ) -> bool:
         """Queue ``job`` for ``share``'s key; False if a job with its id is already queued
-        (nothing changes).
+        (nothing changes). ``hold``: (consumer, ms) only that consumer may claim it for
+        those ms (``redis_claim``).
 
         Raises ``QueueFull`` when its queue already holds ``max_len`` waiting or running
         jobs, ``KeyQueueFull`` when the key has ``share.max_queued`` jobs waiting (anywhere).
@@ -212,7 +215,7 @@ class RedisJobQueue:
         args += ["1" if job.stream else "0", orjson.dumps(dict(job.body)), job.id]
         args += [share.tenant, repr(float(share.weight)), "batch" if share.batch else "interactive"]
         args += [repr(float(share.work)), "fair" if share.fair else "fifo"]
-        args.append(-1 if share.max_queued is None else share.max_queued)
+        args += [-1 if share.max_queued is None else share.max_queued, *(hold or ("", 0))]
         code, depth = await self.calls.run("ENQUEUE", keys, args)
         if code == -1:
             raise QueueFull(job.model, job.endpoint, int(depth), self.max_len)
@@ -352,17 +355,21 @@ class RedisJobQueue:
         block = self.block_ms if block_ms is None else block_ms
         deadline = time.monotonic() + block / 1000
         while True:
-            taken, cursors = await self._take(queues, count)
+            taken, cursors, held_ms = await self._take(queues, count)
             left_ms = int((deadline - time.monotonic()) * 1000)
+            if held_ms > 0:  # a job held for another consumer is ours once its hold ends
+                left_ms = min(left_ms, held_ms)
             if taken or left_ms <= 0 or not await self._wait_wake(queues, cursors, left_ms):
                 break
         raise_if_cancelled()  # jobs taken here are recovered after the lease, as documented
         return [self._claimed(row) for row in taken]
 
-    async def _take(self, queues: Sequence[QueueKeys], count: int) -> tuple[list[Any], list[str]]:
+    async def _take(
+        self, queues: Sequence[QueueKeys], count: int
+    ) -> tuple[list[Any], list[str], int]:
         keys = [self.keys.key_waiting] + [k for q in queues for k in q.all()]
-        taken, cursors = await self.calls.run("TAKE", keys, [count, self.batch_aging_ms])
-        return list(taken), [text(c) for c in cursors]
+        taken, cursors, held_ms = await self.calls.run("TAKE", keys, [count, self.batch_aging_ms])
+        return list(taken), [text(c) for c in cursors], int(held_ms)
 
     async def _wait_wake(self, queues: Sequence[QueueKeys], cursors: list[str], ms: int) -> bool:
         """Block until a job starts to wait in one of ``queues`` after ``cursors`` (the

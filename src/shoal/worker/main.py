@@ -123,6 +123,7 @@ class _Serving:
         self.supervisor: LlamaServer | AttachedServer | None = None
         self.slots: SlotTable | None = None
         """What our llama-server's slots hold (None: no llama-server of ours yet)."""
+        self.pinning: SlotPinning | None = None
         self.links: list[Link] = []
         """Told of every change; a link is added once built (it reads ``models``)."""
         self.images = (
@@ -161,6 +162,8 @@ class _Serving:
             self.slots.reset(f"llama-server {state.value}")  # a new process holds nothing
         for link in self.links:
             link.on_backend_state(state, detail)
+        if state is BackendState.READY and self.pinning is not None:
+            self.pinning.ready()  # a new llama-server: measure its prompt speed
         if state is BackendState.READY and self.on_ready is not None:
             self.on_ready()
 
@@ -191,7 +194,8 @@ class _Serving:
         if the_plan.llama is not None:
             supervisor = LlamaServer(the_plan.llama, self.on_state)
             self.slots = SlotTable(the_plan.llama.slots, self.cache_changed)
-            pinning = SlotPinning(self.slots, session, lambda: supervisor.url)
+            pinning = self.pinning = SlotPinning(self.slots, session, lambda: supervisor.url)
+            tg.create_task(pinning.run_measure())
         else:
             assert self.settings.backend_url is not None
             supervisor = AttachedServer(self.settings.backend_url.rstrip("/"), self.on_state)

@@ -8,10 +8,17 @@ parser the chat endpoint runs, tools and template arguments included), then
 calls per job, handled on llama-server's HTTP threads (not its slot loop), so they do not wait
 behind running generations. When they fail (a body llama-server will reject anyway) the job
 still takes a slot, holding nothing known.
+
+Each time llama-server becomes ready, ``run_measure`` computes one short prompt
+(``MEASURE_PROMPT``, about 128 tokens, not cached) on a slot it takes like a job and sets the
+table's prompt speed from llama-server's own ``timings``: how long a busy slot holding a
+job's prefix is worth waiting for (a fixed guess was 5 times too short on a loaded 2-core
+machine). Until then a job waits for such a slot however long it takes; jobs refine it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -28,6 +35,13 @@ from shoal.worker.slots import SlotTable, token_chain
 log = logging.getLogger(__name__)
 
 PINNED = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
+MEASURE_PROMPT = " ".join(
+    f"Item {i} of the inventory is stored on shelf {i % 7}." for i in range(10)
+)
+"""About 128 tokens of text that no job shares."""
+MEASURE_TIMEOUT = aiohttp.ClientTimeout(total=60.0)
+"""Computing ``MEASURE_PROMPT`` takes a second on a slow, loaded CPU; past this the guess
+stays."""
 TOKENIZE_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
 """Tokenizing a prompt takes milliseconds; past this llama-server is in trouble and the job
 runs with a slot holding nothing known."""
@@ -51,6 +65,38 @@ class SlotPinning:
         self.table = table
         self._session = session
         self._base_url = base_url
+        self._ready = asyncio.Event()
+
+    def ready(self) -> None:
+        """llama-server became ready: measure its prompt speed (``run_measure``)."""
+        self._ready.set()
+
+    async def run_measure(self) -> None:
+        """Measure the prompt speed each time llama-server becomes ready."""
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            await self.measure()
+
+    async def measure(self) -> None:
+        """Compute ``MEASURE_PROMPT`` on a slot taken like a job's; its ``timings`` set the
+        table's prompt speed."""
+        body = {"prompt": MEASURE_PROMPT, "n_predict": 1, "cache_prompt": False}
+        try:
+            async with self.table.hold((), ()) as (slot, _):
+                got = await self._post("/completion", {**body, "id_slot": slot}, MEASURE_TIMEOUT)
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+            log.warning("could not measure llama-server's prompt speed: %r", exc)
+            self.table.not_measured()
+            return
+        timings = got.get("timings")
+        n = timings.get("prompt_n") if isinstance(timings, dict) else None
+        ms = timings.get("prompt_ms") if isinstance(timings, dict) else None
+        if isinstance(n, int) and isinstance(ms, int | float) and n > 0 and ms > 0:
+            self.table.measured(n, ms / 1000)
+        else:
+            log.warning("could not measure llama-server's prompt speed: no timings in %.200s", got)
+            self.table.not_measured()
 
     @contextlib.asynccontextmanager
     async def pin(self, job: JobStart) -> AsyncIterator[Pin | None]:
@@ -76,7 +122,7 @@ class SlotPinning:
     def first_output(self, pin: Pin) -> None:
         """The job's first output arrived: its prompt is computed (the prompt speed here)."""
         self.table.observe(
-            pin.prompt_tokens - pin.expected_reuse, time.perf_counter() - pin.taken_at
+            pin.slot, pin.prompt_tokens - pin.expected_reuse, time.perf_counter() - pin.taken_at
         )
 
     async def _tokens(self, job: JobStart) -> list[int]:
@@ -96,12 +142,14 @@ class SlotPinning:
             log.warning("job %s: could not tokenize its prompt: %r", job.job_id, exc)
             return []
 
-    async def _post(self, path: str, body: object) -> dict[str, object]:
+    async def _post(
+        self, path: str, body: object, timeout: aiohttp.ClientTimeout = TOKENIZE_TIMEOUT
+    ) -> dict[str, object]:
         async with self._session.post(
             self._base_url() + path,
             data=orjson.dumps(body),
             headers={"Content-Type": "application/json"},
-            timeout=TOKENIZE_TIMEOUT,
+            timeout=timeout,
         ) as resp:
             raw = await resp.read()
             if resp.status != 200:

@@ -12,8 +12,10 @@ itself (the request's ``id_slot``), so it knows exactly what every slot holds:
   least recently used (which is what llama-server itself would evict);
 * when a busy slot holds (or is computing) much more of the prompt than any idle one, as
   when a tenant's requests arrive together, the job waits for that slot, but no longer than
-  computing the difference would take (``plan_slot``, at the prompt speed measured here):
-  recomputing a prefix in a second slot costs the CPU both jobs share;
+  computing the difference would take (``plan_slot``, at the prompt speed measured here),
+  twice that while the busy slot is still computing its prompt (both computations would
+  share the CPU, each at half speed): recomputing a prefix in a second slot costs the CPU
+  both jobs share;
 * when every slot is busy (the router never sends more jobs than slots, but a job pinned to
   no known slot can make it so) the job waits here for the first slot to free, rather than
   queue inside llama-server behind a slot chosen blindly;
@@ -22,10 +24,17 @@ itself (the request's ``id_slot``), so it knows exactly what every slot holds:
 Every change calls ``on_change`` with the summary the router matches on: the set of
 content hashes the slots hold (at most ``slots × prefix.MAX_BLOCKS``).
 
-llama-server's host-memory prompt cache (``--cache-ram``) is not counted: a request pinned
-to a slot whose holding it shares less than ``--slot-prompt-similarity`` of bypasses it
-(``get_available_slot`` in tools/server/server-context.cpp updates that cache only for a slot
-it found by similarity or by LRU itself), so what the slots hold is all this worker holds.
+llama-server's host-memory prompt cache (``--cache-ram``, 8 GiB by default in the pinned
+build) is not counted. With ``--cache-idle-slots`` (on by default) every idle slot's prompt
+is copied into it as each task starts, but it is read back only in ``get_available_slot``
+(tools/server/server-context.cpp) when that function picked the slot by LRU itself (no
+``id_slot``) or the slot shares more than ``--slot-prompt-similarity`` (0.1) of the request
+yet keeps under half of its own tokens. A job pinned with ``id_slot`` to a slot holding
+another prompt shares less than 0.1 of it, so it never loads from that cache: what the
+slots hold is all this worker can reuse. (Using it would mean sending such jobs unpinned and
+learning the slot afterwards.) Shoal passes ``--parallel``, so the KV cache is not unified
+(``kv_unified = false`` in llama-server's log) and idle slots are saved but not cleared:
+what the table says a slot holds stays true.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
@@ -66,6 +76,8 @@ class Slot:
     content: tuple[int, ...] = ()
     """That prompt's content chain (``protocol.prefix.prefix_chain``)."""
     busy: bool = False
+    computing: bool = False
+    """Busy with a job whose prompt is not computed yet (no output so far)."""
     last_used: int = 0
     """When it last took a job, in jobs taken by this table (0: never)."""
 
@@ -87,7 +99,10 @@ MIN_WAIT_GAIN_TOKENS = 128
 """A busy slot is worth waiting for only when it holds at least this many more tokens of the
 prompt than the best idle slot."""
 PROMPT_S_PER_TOKEN = 0.005
-"""How long computing one prompt token takes, until measured (a CPU at ~200 tokens/s)."""
+"""How long computing one prompt token takes when it cannot be measured (a CPU at ~200
+tokens/s). Until the measurement as llama-server starts (``pinning.SlotPinning.measure``)
+ends, the speed is unknown (``math.inf``): a job waits for a busy slot holding its prefix
+however long that takes, as the first jobs often arrive while the measurement runs."""
 _RATE_WEIGHT = 0.3
 """Weight of the newest measurement in the running prompt speed."""
 
@@ -96,13 +111,19 @@ def plan_slot(
     slots: Sequence[Slot], blocks: tuple[int, ...], s_per_token: float
 ) -> tuple[int | None, float]:
     """The idle slot to take (``choose_slot``), and how long waiting for a busy slot that
-    holds more of the prompt is worth: the time computing the extra tokens would take, or 0
-    when no busy slot holds ``MIN_WAIT_GAIN_TOKENS`` more."""
+    holds more of the prompt is worth: the time computing the extra tokens would take (twice
+    that while that slot still computes its own prompt: computing the same tokens at once in
+    two slots halves the speed of both), or 0 when no busy slot holds
+    ``MIN_WAIT_GAIN_TOKENS`` more."""
     idle = choose_slot(slots, blocks)
     idle_match = held_blocks(blocks, slots[idle].blocks) if idle is not None else 0
-    busy_match = max((held_blocks(blocks, s.blocks) for s in slots if s.busy), default=0)
+    busy_match, computing = max(
+        ((held_blocks(blocks, s.blocks), s.computing) for s in slots if s.busy), default=(0, False)
+    )
     gain = (busy_match - idle_match) * TOKEN_BLOCK
-    return idle, (gain * s_per_token if gain >= MIN_WAIT_GAIN_TOKENS else 0.0)
+    if gain < MIN_WAIT_GAIN_TOKENS:
+        return idle, 0.0
+    return idle, gain * s_per_token * (2 if computing else 1)
 
 
 class SlotTable:
@@ -111,15 +132,36 @@ class SlotTable:
         self._on_change = on_change
         self._taken = 0
         self._waiters: list[asyncio.Future[None]] = []
-        self.s_per_token = PROMPT_S_PER_TOKEN
+        self.s_per_token = math.inf
         """Seconds one prompt token takes to compute here, as measured (``observe``)."""
 
-    def observe(self, computed: int, seconds: float) -> None:
-        """A job's first output came ``seconds`` after it took its slot, ``computed`` prompt
-        tokens later: the prompt speed, under the load there is."""
+    def observe(self, slot: int, computed: int, seconds: float) -> None:
+        """A job's first output came ``seconds`` after it took ``slot``, ``computed`` prompt
+        tokens later: its prompt is computed; the prompt speed, under the load there is."""
+        self.slots[slot].computing = False
         if computed >= TOKEN_BLOCK and seconds > 0:
             rate = seconds / computed
-            self.s_per_token += _RATE_WEIGHT * (rate - self.s_per_token)
+            if math.isinf(self.s_per_token):
+                self.s_per_token = rate
+            else:
+                self.s_per_token += _RATE_WEIGHT * (rate - self.s_per_token)
+
+    def measured(self, computed: int, seconds: float) -> None:
+        """llama-server computed ``computed`` prompt tokens in ``seconds`` as it started: the
+        prompt speed from now on (until jobs refine it, ``observe``)."""
+        self.s_per_token = seconds / computed
+        self._wake()  # jobs waiting for a busy slot until the speed was known look again
+        log.info(
+            "prompt speed: %.1f ms per token (%d tokens measured)",
+            seconds * 1000 / computed,
+            computed,
+        )
+
+    def not_measured(self) -> None:
+        """The measurement failed: the guess, unless jobs measured it meanwhile."""
+        if math.isinf(self.s_per_token):
+            self.s_per_token = PROMPT_S_PER_TOKEN
+            self._wake()
 
     def summary(self) -> tuple[int, ...]:
         """The content hashes the slots hold, sorted: what the router matches on."""
@@ -132,7 +174,7 @@ class SlotTable:
         """Take a slot for one job whose prompt is ``blocks``; yields the slot's id and the
         tokens it is expected to reuse. The slot is free again when the block exits."""
         loop = asyncio.get_running_loop()
-        deadline: float | None = None
+        since: float | None = None  # when it started to wait for a busy slot holding more
         while True:
             chosen, worth = plan_slot(self.slots, blocks, self.s_per_token)
             if chosen is None:
@@ -140,15 +182,16 @@ class SlotTable:
                 continue
             if worth <= 0:
                 break  # no busy slot holds more than this one
-            if deadline is None:
-                deadline = loop.time() + worth
-            if loop.time() >= deadline:
+            if since is None:
+                since = loop.time()
+            left = since + worth - loop.time()  # at the speed known now (woken when measured)
+            if left <= 0:
                 break
-            await self._released(deadline - loop.time())  # a busy slot holds more
+            await self._released(None if math.isinf(left) else left)
         slot = self.slots[chosen]
         reused = held_blocks(blocks, slot.blocks) * TOKEN_BLOCK
         self._taken += 1
-        slot.busy, slot.last_used = True, self._taken
+        slot.busy, slot.computing, slot.last_used = True, True, self._taken
         changed = slot.content != content
         slot.blocks, slot.content = blocks, content
         if changed:
@@ -156,7 +199,7 @@ class SlotTable:
         try:
             yield chosen, reused
         finally:
-            slot.busy = False
+            slot.busy = slot.computing = False
             self._wake()
 
     async def _released(self, timeout: float | None) -> None:

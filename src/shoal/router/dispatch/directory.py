@@ -5,9 +5,14 @@ Each router writes a hash per worker connected to it (``redis_keys.worker_key``:
 it), with a TTL it refreshes every sync, and deletes it when the worker disconnects; a
 router that dies leaves hashes that expire. Each sync also reads every worker hash (through
 the ``worker_index_key`` set, never ``SCAN``), so ``remote`` is the other routers' workers
-as of the last sync. A sync runs every ``interval_s`` and at once after ``changed()`` (a
-worker joined or left here); what a worker's slots hold changes with every job, so it
-travels at the interval, like a heartbeat.
+as of the last sync. A sync runs every ``interval_s``, at once after ``changed()`` (a
+worker joined or left here), and after ``soon()`` (a job started or ended here, or a
+worker's slots hold something new) at most every ``PUSH_GAP_S``: what a worker holds and how
+busy it is reach the other routers promptly, bounded in rate. They read it at their own
+next sync (their interval, or a change of theirs).
+
+``hold_for`` is which router should run a job with a given prefix
+(``scheduler.hold_for`` over this router's workers and every other router's).
 """
 
 from __future__ import annotations
@@ -32,9 +37,14 @@ from shoal.queue.redis_support import (
     raise_if_cancelled,
     text,
 )
+from shoal.router.dispatch.scheduler import WorkerLoad, hold_for
 from shoal.router.workers import Registry
 
 log = logging.getLogger(__name__)
+
+PUSH_GAP_S = 0.2
+"""The least time between two syncs brought on by ``soon()`` (jobs starting and ending)."""
+_TAKES_JOBS = frozenset({BackendState.READY, BackendState.UNLOADED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +64,23 @@ class RemoteWorker:
     def serves(self, model: ModelName, endpoint: Endpoint | None = None) -> bool:
         return any(
             m.name == model and (endpoint is None or endpoint in m.endpoints) for m in self.models
+        )
+
+    @property
+    def pulls(self) -> bool:
+        """A pull worker: it claims its jobs from Redis itself (no router holds it)."""
+        return self.summary.get("connection") == "redis-pull"
+
+    def load(self) -> WorkerLoad:
+        """What the scheduler knows of it, as of its router's last sync."""
+        return WorkerLoad(
+            id=self.id,
+            ready=self.state in _TAKES_JOBS,
+            loaded=self.state is BackendState.READY,
+            models=frozenset((m.name, e) for m in self.models for e in m.endpoints),
+            slots=int(self.summary.get("slots", 0)),
+            running=int(self.summary.get("running_jobs", 0)),
+            cached=self.cached,
         )
 
 
@@ -101,10 +128,26 @@ class WorkerDirectory:
         self._ttl_ms = int(interval_s * 3000) + 1000  # three missed syncs and it is gone
         self._written: set[str] = set()
         self._changed = asyncio.Event()
+        self._now = False  # changed() since the last sync, not only soon()
+        self._synced_at = 0.0
 
     def changed(self) -> None:
         """A worker joined or left this router: sync now rather than at the next interval."""
+        self._now = True
         self._changed.set()
+
+    def soon(self) -> None:
+        """A job started or ended here, or a worker's slots hold something new: sync within
+        ``PUSH_GAP_S`` of the last sync (several changes share one)."""
+        self._changed.set()
+
+    def hold_for(self, model: ModelName, endpoint: Endpoint, prefix: tuple[int, ...]) -> str | None:
+        """The router whose worker should run a job with ``prefix`` (``scheduler.hold_for``),
+        over this router's workers as they are and the others' as of the last sync (a pull
+        worker has no router to wait for: it is left out)."""
+        owned = [(self.router, w.load()) for w in self._registry]
+        owned += [(r.router, r.load()) for r in self.remote if not r.pulls]
+        return hold_for(owned, model, endpoint, prefix)
 
     async def run(self) -> None:
         delay = self._interval_s
@@ -118,9 +161,14 @@ class WorkerDirectory:
                     self.outage.failed("worker directory", exc)
                     delay = min(delay * 2, RETRY_MAX_DELAY_S)
                 raise_if_cancelled()
+                self._synced_at = time.monotonic()
+                self._now = False
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(delay):
                         await self._changed.wait()
+                gap = self._synced_at + PUSH_GAP_S - time.monotonic()
+                if not self._now and gap > 0:
+                    await asyncio.sleep(gap)  # the rate bound of soon(): later ones join in
                 self._changed.clear()
         finally:
             with contextlib.suppress(*REDIS_DOWN):

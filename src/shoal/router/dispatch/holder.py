@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import Continuation, Endpoint, JobCancel, JobResume, RunningJob
@@ -60,9 +60,12 @@ class Holder:
         resume_attempts: int,
         *,
         prefix: bool = True,
+        busier: Callable[[], None] = lambda: None,
     ) -> None:
-        """``prefix``: place jobs by the prefixes workers hold (``--routing prefix``)."""
+        """``prefix``: place jobs by the prefixes workers hold (``--routing prefix``);
+        ``busier``: a job was placed on a worker here (tell the other routers soon)."""
         self.queue = queue
+        self._busier = busier
         self.registry = registry
         self.metrics = metrics
         self.running: Running[Claimed] = Running(
@@ -127,6 +130,7 @@ class Holder:
         if not self.running.place(claimed, job, dict(qjob.body), claimed.attempt, claimed.resume):
             return False
         self.loops.send((claimed, Assigned(self.queue.consumer, claimed.attempt, job.worker_id)))
+        self._busier()
         return True
 
     # ------------------------------------------------------------ reattaching workers

@@ -46,6 +46,7 @@ import redis.asyncio as aioredis
 
 from shoal.protocol.ids import JobId, ModelName, WorkerId
 from shoal.protocol.messages import ErrorBody
+from shoal.protocol.prefix import prefix_chain
 from shoal.queue import events
 from shoal.queue.redis_streams import RedisJobQueue
 from shoal.queue.redis_support import (
@@ -66,6 +67,7 @@ from shoal.router.dispatch.fair_queue import Priority
 from shoal.router.dispatch.holder import Holder
 from shoal.router.dispatch.job import Job, JobState, Submission
 from shoal.router.dispatch.output import JobOutput
+from shoal.router.dispatch.running import PREFIXED
 from shoal.router.dispatch.worker_side import WorkerSide
 from shoal.router.errors import QueueFull, RouterError, Unavailable
 from shoal.router.metrics import Metrics
@@ -135,14 +137,6 @@ class RedisDispatcher:
             resume_attempts=settings.resume_attempts,
         )
         self.tail = OutputTail(redis, settings.redis_prefix, self.name, outage=self.outage)
-        self.holder = Holder(
-            self.rqueue,
-            registry,
-            metrics,
-            settings.max_requeues,
-            settings.resume_attempts,
-            prefix=settings.routing == "prefix",
-        )
         self.directory = WorkerDirectory(
             redis,
             settings.redis_prefix,
@@ -151,6 +145,15 @@ class RedisDispatcher:
             interval_s=settings.heartbeat_interval,
             outage=self.outage,
         )
+        self.holder = Holder(
+            self.rqueue,
+            registry,
+            metrics,
+            settings.max_requeues,
+            settings.resume_attempts,
+            prefix=settings.routing == "prefix",
+            busier=self.directory.soon,
+        )
         self.queue_backend = "redis"
         self.workers = WorkerSide(
             registry,
@@ -158,6 +161,7 @@ class RedisDispatcher:
             self.holder.kick,
             reattach=self.holder.reattach,
             changed=self.directory.changed,
+            cache_changed=self.directory.soon,
         )
         self._redis = redis
         self._followed: dict[JobId, _Followed] = {}
@@ -296,7 +300,7 @@ class RedisDispatcher:
         job = followed.job
         queued = QueuedJob(job.id, job.model, job.endpoint, job.stream, job.body)
         try:
-            await self.rqueue.enqueue(queued, self._share(job))
+            await self.rqueue.enqueue(queued, self._share(job), self._hold(job))
         except KeyQueueFull as exc:
             log.info(
                 "job %s model=%s key=%s refused: %d of its jobs waiting, its max-queued is %d",
@@ -326,6 +330,26 @@ class RedisDispatcher:
         self._some_wait.set()
         log.info("job %s model=%s key=%s queued in Redis", job.id, job.model, job.tenant.id)
         return True
+
+    def _hold(self, job: Job) -> tuple[str, int] | None:
+        """For whom the job waits in Redis, and how long (ms): the router whose worker holds
+        its prefix with a slot free (``directory.hold_for``), for ``--prefix-hold``."""
+        hold_ms = int(self.settings.prefix_hold * 1000)
+        if self.settings.routing != "prefix" or hold_ms <= 0 or job.endpoint not in PREFIXED:
+            return None
+        prefix = prefix_chain(job.model, job.body)
+        router = self.directory.hold_for(job.model, job.endpoint, prefix)
+        if router is None:
+            return None
+        if router != self.name:
+            log.info(
+                "job %s model=%s: held %d ms for router %s, whose worker holds its prefix",
+                job.id,
+                job.model,
+                hold_ms,
+                router,
+            )
+        return router, hold_ms
 
     def _share(self, job: Job) -> Share:
         tenant = job.tenant

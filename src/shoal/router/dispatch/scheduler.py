@@ -9,6 +9,10 @@ is); when its slots are full it spills to the next best worker, which then holds
 A worker that is full is never chosen and a job waits only when every worker is full, so no
 worker idles while another queues. With no prefix (``--routing least-loaded``, or a request
 shorter than a block) this is least-loaded routing.
+
+With several routers on one Redis, ``hold_for`` names the router whose worker
+``pick_worker`` would choose over the whole cluster, when that worker holds enough of the
+prefix to be worth a short wait in Redis (``queue/redis_claim.py``).
 """
 
 from __future__ import annotations
@@ -73,3 +77,39 @@ def pick_worker(
         if best is None or key < best:
             best = key
     return WorkerId(best[4]) if best is not None else None
+
+
+MIN_HOLD_TOKENS = 256
+"""The prompt tokens a worker must be expected to reuse before a job waits in Redis for its
+router (``hold_for``): a template's header or a one-line prompt is not worth the wait."""
+
+
+def hold_for(
+    owned: Iterable[tuple[str, WorkerLoad]],
+    model: ModelName,
+    endpoint: Endpoint,
+    prefix: tuple[int, ...],
+) -> str | None:
+    """With several routers on one Redis: the router whose worker should run a job with
+    ``prefix`` (``owned``: every worker the cluster lists, with the router holding it).
+
+    That is the owner of the worker ``pick_worker`` chooses among all of them, when that
+    worker is expected to reuse at least ``MIN_HOLD_TOKENS``: the job waits for that router
+    to claim it (for a short, bounded hold), so a tenant's prefix held behind another router
+    is not computed again. None (any router takes it) when no worker holds enough of it, or
+    when the worker that does is full or not ready (``pick_worker`` skips those): a job is
+    never held for a worker that cannot take it at once.
+    """
+    if not prefix:
+        return None
+    owners: dict[WorkerId, str] = {}
+    loads: list[WorkerLoad] = []
+    for owner, load in owned:
+        if load.id not in owners:
+            owners[load.id] = owner
+            loads.append(load)
+    best = pick_worker(loads, model, endpoint, prefix)
+    if best is None:
+        return None
+    chosen = next(w for w in loads if w.id == best)
+    return owners[best] if expected_reuse(chosen, prefix) >= MIN_HOLD_TOKENS else None

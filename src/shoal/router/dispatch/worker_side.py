@@ -59,13 +59,17 @@ class WorkerSide:
         *,
         reattach: Reattach = cancel_held,
         changed: Callable[[], None] = nobody,
+        cache_changed: Callable[[], None] = nobody,
     ) -> None:
-        """``capacity``: a slot may have freed or a worker joined (place waiting jobs)."""
+        """``capacity``: a slot may have freed or a worker joined (place waiting jobs);
+        ``changed``: a worker joined, left or changed state; ``cache_changed``: what a
+        worker's slots hold changed, or a job ended on it (tell the other routers soon)."""
         self.registry = registry
         self.running = running
         self._capacity = capacity
         self._reattach = reattach
         self._changed = changed
+        self._cache_changed = cache_changed
 
     def on_registered(self, worker: WorkerConnection, held: Sequence[RunningJob] = ()) -> None:
         """A worker joined; ``held``: jobs it still runs from a connection it lost."""
@@ -96,13 +100,16 @@ class WorkerSide:
                     self.running.on_chunk(worker, item.job_id, item.data, item.tokens, now)
             case JobDone() | JobResult():
                 self.running.on_end(worker, msg, now)
+                self._cache_changed()
             case JobFailed():
                 self.running.on_failed(worker, msg, now)
+                self._cache_changed()
             case Heartbeat(state=state):
                 worker.on_heartbeat(msg)
                 self._on_state(worker, state, worker.detail)
             case CacheChanged(blocks=blocks):
                 worker.set_cached(blocks)
+                self._cache_changed()
             case ModelsChanged(models=models):
                 worker.set_models(models)
                 self._changed()

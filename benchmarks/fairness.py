@@ -59,6 +59,8 @@ class Run:
     light_ms: list[float] = field(default_factory=list)
     heavy_tokens: int = 0
     heavy_seconds: float = 0.0
+    preempted: float = 0.0
+    """Key A's answers paused for key B's requests (``--preempt``, fair only)."""
 
 
 async def light_requests(client: httpx.AsyncClient, key: str, n: int, tokens: int) -> list[float]:
@@ -106,10 +108,18 @@ async def measure(
             t0 = time.perf_counter()
             run.light_ms = await light_requests(light_client, light, args.light, args.light_tokens)
             run.heavy_seconds = time.perf_counter() - t0
+            run.preempted = await preempted(client, light)
             stop.set()
             for task in floods:
                 task.cancel()
     return run
+
+
+async def preempted(client: httpx.AsyncClient, key: str) -> float:
+    """The router's ``shoal_jobs_preempted_total`` for the model."""
+    r = await client.get("/metrics", headers={"Authorization": f"Bearer {key}"})
+    line = f'shoal_jobs_preempted_total{{model="{MODEL}"}} '
+    return sum(float(x[len(line) :]) for x in r.text.splitlines() if x.startswith(line))
 
 
 def keys(folder: Path) -> tuple[str, str, str]:
@@ -220,14 +230,16 @@ def report(args: argparse.Namespace, alone: list[float], runs: dict[str, Run]) -
     results: dict[str, object] = {"light_alone_p50_ms": median(alone)}
     for mode, run in runs.items():
         rate = run.heavy_tokens / run.heavy_seconds if run.heavy_seconds else float("nan")
+        paused = f"{run.preempted:.0f} A answers paused"
         rows.append(
-            [f"B under flood, {mode}", median(run.light_ms), pct(run.light_ms, 95), rate, ""]
+            [f"B under flood, {mode}", median(run.light_ms), pct(run.light_ms, 95), rate, paused]
         )
         results[mode] = {
             "light_p50_ms": median(run.light_ms),
             "light_p95_ms": pct(run.light_ms, 95),
             "light_ms": run.light_ms,
             "heavy_tokens_per_s": rate,
+            "heavy_answers_paused": run.preempted,
         }
     fifo, fair = runs["fifo"], runs["fair"]
     speedup = median(fifo.light_ms) / median(fair.light_ms)

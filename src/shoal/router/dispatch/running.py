@@ -357,7 +357,9 @@ class Running(Generic[T]):
     def preempt(self, job: Job, waiting: Mapping[str, float], place: Callable[[], bool]) -> bool:
         """Pause a running answer for ``job``, which waits with no slot free, when
         ``preemption.choose_victim`` says so (``waiting``: the weight of each tenant waiting
-        in ``job``'s queue); ``place`` then starts ``job`` on the slot freed. False: none."""
+        in ``job``'s queue); ``place`` then starts ``job`` on the slot freed. True when an
+        answer was paused (should ``place`` fail, the caller places what waits first on the
+        slot freed: none is left idle); False: none was."""
         if not self._preempt:
             return False
         served = (job.model, job.endpoint)
@@ -391,13 +393,12 @@ class Running(Generic[T]):
             job.id,
             job.tenant.id,
         )
-        placed = place()
-        if placed and (run := self._runs.get(job.id)) is not None:
+        if place() and (run := self._runs.get(job.id)) is not None:
             self._placed[run].took_slot = True
         why = f"paused on worker {paused.worker.id} for job {job.id}"
         if not self._sink.go_on(paused.ticket, resume, why, PREEMPTED):
             self._sink.output(paused.ticket, worker_lost(why), time.monotonic())
-        return placed
+        return True
 
     def _candidate(self, run: JobId, job: Job) -> RunningJob:
         """What preemption needs to know of a job running on a slot here."""

@@ -177,7 +177,9 @@ async def holding_the_slot(client: httpx.AsyncClient, key: str) -> AsyncIterator
 
 
 def one_slot_router(cluster: Cluster, reader_key: str) -> Router:
-    router = cluster.router(api_key=None)
+    """A router whose one slot a key holds while others wait (without preemption, which
+    would give the slot to the first of them to arrive: the queue's order is what's tested)."""
+    router = cluster.router("--no-preempt", api_key=None)
     router.api_key = reader_key  # for the router's own reads (/v1/models)
     cluster.worker(router, "--slots", "1")
     router.wait_workers(1)

@@ -1,21 +1,24 @@
 """Fairness: a light key's latency while a heavy key floods the queue, fifo against fair.
 
-One real llama-server (the default model, 4 slots) and one worker attached to it serve a
-router started once per mode (``--scheduling fifo``, then ``fair``), each with its own key
-database holding two keys. Key A keeps ``--flood`` requests of ``--flood-tokens`` tokens in
-flight (closed loop: each one sent again as it ends, ``ignore_eos``); once its queue is full,
-key B sends ``--light`` short requests one after another. Reported: B's latency alone (before
-any flood), B's latency under the flood in each mode, and A's tokens/s meanwhile.
+One worker running its own llama-server (the default model, 4 slots; started per mode, so
+that its answers report token ids and can be paused and go on: ``--preempt``, the default
+with ``fair``) serves a router started once per mode (``--scheduling fifo``, then ``fair``),
+each with its own key database holding two keys. Key A keeps ``--flood`` requests of
+``--flood-tokens`` tokens in flight (closed loop: each one sent again as it ends,
+``ignore_eos``); once its queue is full, key B sends ``--light`` short requests one after
+another. Reported: B's latency alone (before any flood), B's latency under the flood in each
+mode, and A's tokens/s meanwhile.
 
     python benchmarks/fairness.py
     python benchmarks/fairness.py --redis-url redis://127.0.0.1:6379/0
 
 With ``--redis-url`` each mode runs two routers sharing that Redis (a key prefix of their
-own, deleted afterwards): the worker is attached to the first and key A floods it, key B
+own, deleted afterwards): the worker connects to the first and key A floods it, key B
 asks the second, so B's requests are ordered against A's by the fairness state in Redis.
 
 Targets (issue 14): B's p50 under flood with fair >= 10x lower than with fifo, and within
 (B alone + the time one of A's requests takes); A's throughput with fair >= 0.95x fifo's.
+Also reported: how many of A's answers were paused for B's requests.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class Run:
     light_ms: list[float] = field(default_factory=list)
     heavy_tokens: int = 0
     heavy_seconds: float = 0.0
+    preempted: float = 0.0
+    """Key A's answers paused for key B's requests (``--preempt``, fair only)."""
 
 
 async def light_requests(client: httpx.AsyncClient, key: str, n: int, tokens: int) -> list[float]:
@@ -106,10 +111,18 @@ async def measure(
             t0 = time.perf_counter()
             run.light_ms = await light_requests(light_client, light, args.light, args.light_tokens)
             run.heavy_seconds = time.perf_counter() - t0
+            run.preempted = await preempted(client, light)
             stop.set()
             for task in floods:
                 task.cancel()
     return run
+
+
+async def preempted(client: httpx.AsyncClient, key: str) -> float:
+    """The router's ``shoal_jobs_preempted_total`` for the model."""
+    r = await client.get("/metrics", headers={"Authorization": f"Bearer {key}"})
+    line = f'shoal_jobs_preempted_total{{model="{MODEL}"}} '
+    return sum(float(x[len(line) :]) for x in r.text.splitlines() if x.startswith(line))
 
 
 def keys(folder: Path) -> tuple[str, str, str]:
@@ -139,19 +152,10 @@ def main() -> None:
     cache = CommonSettings().cache_dir
     binary = resolve(explicit=None, cache_dir=cache, path_env=None, allow_build=False)
     model = resolve_model(DEFAULT_MODEL.id, cache, download=False)
-    llama_port = free_port()
-    direct = f"http://127.0.0.1:{llama_port}"
     logs = Path(__file__).parent / "results" / "logs" / "fairness"
     runs: dict[str, Run] = {}
     alone: list[float] = []
     with processes(logs) as procs, tempfile.TemporaryDirectory() as tmp:
-        procs.start(
-            "llama-server",
-            [str(binary.llama_server), "-m", str(model.path), "--alias", MODEL]
-            + ["--port", str(llama_port), "-np", str(args.slots), "-c", str(1024 * args.slots)]
-            + ["--no-webui"],
-        )
-        wait_http(direct + "/health")
         for mode in ("fifo", "fair"):
             url, heavy, light = keys(Path(tempfile.mkdtemp(dir=tmp)))
             prefix = f"shoal-bench-fairness-{uuid.uuid4().hex[:8]}:"
@@ -170,8 +174,10 @@ def main() -> None:
             (port, router), (_, light_router) = routers[0], routers[-1]
             procs.shoal(
                 f"worker-{mode}",
-                *("worker", "--router-url", f"127.0.0.1:{port}", "--backend-url", direct),
-                *("--model-alias", MODEL, "--slots", str(args.slots), "--log-level", "warning"),
+                *("worker", "--router-url", f"127.0.0.1:{port}", "--model-path", str(model.path)),
+                *("--llama-server-path", str(binary.llama_server), "--model-alias", MODEL),
+                *("--slots", str(args.slots), "--ctx-size", str(1024 * args.slots)),
+                *("--log-level", "warning"),
             )
             wait_ready(light_router, light)
             if not alone:
@@ -220,14 +226,16 @@ def report(args: argparse.Namespace, alone: list[float], runs: dict[str, Run]) -
     results: dict[str, object] = {"light_alone_p50_ms": median(alone)}
     for mode, run in runs.items():
         rate = run.heavy_tokens / run.heavy_seconds if run.heavy_seconds else float("nan")
+        paused = f"{run.preempted:.0f} A answers paused"
         rows.append(
-            [f"B under flood, {mode}", median(run.light_ms), pct(run.light_ms, 95), rate, ""]
+            [f"B under flood, {mode}", median(run.light_ms), pct(run.light_ms, 95), rate, paused]
         )
         results[mode] = {
             "light_p50_ms": median(run.light_ms),
             "light_p95_ms": pct(run.light_ms, 95),
             "light_ms": run.light_ms,
             "heavy_tokens_per_s": rate,
+            "heavy_answers_paused": run.preempted,
         }
     fifo, fair = runs["fifo"], runs["fair"]
     speedup = median(fifo.light_ms) / median(fair.light_ms)

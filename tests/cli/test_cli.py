@@ -50,6 +50,15 @@ def test_flags_beat_env_which_beats_defaults(monkeypatch: pytest.MonkeyPatch) ->
     assert "k1" not in repr(s)  # secrets never print
 
 
+def test_preempt_is_on_by_default_and_off_by_flag_or_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    parse = build_parser().parse_args
+    assert settings_from_args(RouterSettings, parse(["router"])).preempt
+    assert not settings_from_args(RouterSettings, parse(["router", "--no-preempt"])).preempt
+    monkeypatch.setenv("SHOAL_PREEMPT", "false")
+    assert not settings_from_args(RouterSettings, parse(["router"])).preempt
+    assert settings_from_args(RouterSettings, parse(["router", "--preempt"])).preempt
+
+
 def test_router_refuses_open_network_without_keys(tmp_path: Path) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "shoal", "router", "--host", "0.0.0.0"],

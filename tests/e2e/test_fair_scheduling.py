@@ -9,6 +9,8 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import openai
@@ -61,7 +63,7 @@ async def finishing_order(router: Router, heavy: str, light: str) -> list[str]:
     return done
 
 
-@pytest.mark.parametrize("mode", ["fair", "fifo"])
+@pytest.mark.parametrize("mode", ["fair", "fair-no-preempt", "fifo"])
 def test_a_flooding_key_does_not_hold_up_another_key(cluster: Cluster, mode: str) -> None:
     store = open_store(cluster.database_url)
     try:
@@ -69,12 +71,16 @@ def test_a_flooding_key_does_not_hold_up_another_key(cluster: Cluster, mode: str
         _, light = store.create(Scope.INFERENCE, "chat-user")
     finally:
         store.close()
-    router = cluster.router("--scheduling", mode, api_key=None)
+    flags = ("--no-preempt",) if mode.endswith("no-preempt") else ()
+    router = cluster.router("--scheduling", mode.split("-")[0], *flags, api_key=None)
     router.api_key = light  # for the router's own reads (/v1/models)
     cluster.worker(router, "--slots", "1")
     router.wait_workers(1)
     order = asyncio.run(finishing_order(router, heavy, light))
     if mode == "fair":
+        # It pauses the heavy job running (which goes on after it): first.
+        assert order.index("light") == 0, order
+    elif mode == "fair-no-preempt":
         # Its start tag is the virtual time: ahead of every heavy job still waiting.
         assert order.index("light") == 1, order
     else:
@@ -171,7 +177,9 @@ async def holding_the_slot(client: httpx.AsyncClient, key: str) -> AsyncIterator
 
 
 def one_slot_router(cluster: Cluster, reader_key: str) -> Router:
-    router = cluster.router(api_key=None)
+    """A router whose one slot a key holds while others wait (without preemption, which
+    would give the slot to the first of them to arrive: the queue's order is what's tested)."""
+    router = cluster.router("--no-preempt", api_key=None)
     router.api_key = reader_key  # for the router's own reads (/v1/models)
     cluster.worker(router, "--slots", "1")
     router.wait_workers(1)
@@ -267,3 +275,92 @@ def test_a_key_with_weight_3_gets_3_times_the_dispatches_of_a_weight_1_key(
     # 6 and the 11th by the tags; 5 or the 12th only if the client read two answers in turn
     # the wrong way round (on a loaded machine).
     assert heavy_first in (5, 6) and last_heavy <= 11, done
+
+
+LONG = 128
+"""Tokens of each of the flood's answers in the preemption test."""
+
+
+@dataclass
+class Streamed:
+    text: str = ""
+    chunks: int = 0
+    roles: int = 0
+    ids: set[str] = field(default_factory=set)
+    usage: list[dict[str, Any]] = field(default_factory=list)
+    finish: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    done: bool = False
+
+
+async def stream_long(
+    client: httpx.AsyncClient, key: str, answer: Streamed, started: asyncio.Event | None = None
+) -> None:
+    """Stream a ``LONG``-token answer into ``answer``; set ``started`` after 12 chunks."""
+    body = {**ask(LONG), "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", "/v1/chat/completions", json=body, headers=auth(key)) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                answer.done = True
+                break
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                answer.errors.append(line)
+                continue
+            answer.ids.add(chunk["id"])
+            answer.usage += [chunk["usage"]] if chunk.get("usage") else []
+            for choice in chunk["choices"]:
+                delta = choice.get("delta") or {}
+                answer.roles += "role" in delta
+                answer.finish += [choice["finish_reason"]] if choice.get("finish_reason") else []
+                answer.text += delta.get("content") or ""
+                answer.chunks += bool(delta.get("content"))
+            if started is not None and answer.chunks == 12:
+                started.set()
+
+
+def preempted(router: Router) -> float:
+    text = httpx.get(router.url + "/metrics", headers=router.headers, timeout=5).text
+    line = f'shoal_jobs_preempted_total{{model="{MODEL}"}} '
+    return sum(float(x[len(line) :]) for x in text.splitlines() if x.startswith(line))
+
+
+def test_a_light_key_pauses_a_flood_answer_which_goes_on_exactly(cluster: Cluster) -> None:
+    """Both slots hold the heavy key's long streams; the light key's request is answered at
+    once (one stream is paused for it), and both streams end with the text, the usage and the
+    single role chunk of the answer uninterrupted."""
+    heavy, light = new_key(cluster, "flood"), new_key(cluster, "chat")
+    router = cluster.router(api_key=None)
+    router.api_key = light  # for the router's own reads (/metrics)
+    cluster.worker(router, "--slots", "2")
+    router.wait_workers(1)
+
+    async def scenario() -> tuple[Streamed, list[Streamed], bool]:
+        reference, flood = Streamed(), [Streamed(), Streamed()]
+        async with httpx.AsyncClient(base_url=router.url, timeout=300) as client:
+            await stream_long(client, heavy, reference)
+            events = [asyncio.Event(), asyncio.Event()]
+            async with asyncio.TaskGroup() as tg:
+                for answer, started in zip(flood, events, strict=True):
+                    tg.create_task(stream_long(client, heavy, answer, started))
+                for started in events:
+                    await started.wait()
+                r = await client.post("/v1/chat/completions", json=ask(8), headers=auth(light))
+                assert r.status_code == 200, r.text
+                flood_running = not any(answer.done for answer in flood)
+        return reference, flood, flood_running
+
+    reference, flood, flood_running = asyncio.run(scenario())
+    assert flood_running, "the light key's answer came before either long answer ended"
+    assert preempted(router) >= 1
+    assert reference.done and reference.usage[0]["completion_tokens"] == LONG
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    for answer in flood:
+        assert answer.done and not answer.errors, answer
+        assert answer.text == reference.text
+        assert answer.roles == 1 and len(answer.ids) == 1 and answer.finish == ["length"]
+        [usage] = answer.usage
+        assert {k: usage[k] for k in counts} == {k: reference.usage[0][k] for k in counts}

@@ -11,6 +11,7 @@ from shoal.protocol.messages import (
     Endpoint,
     ErrorBody,
     JobCancel,
+    JobDone,
     JobFailed,
     JobStart,
     ModelInfo,
@@ -181,3 +182,60 @@ def test_a_dead_backend_mid_answer_goes_on_elsewhere_but_not_when_nobody_serves_
     assert again.resume is not None and again.resume.tokens == (4,)
     dispatcher.workers.on_lost(only, "test")  # and now nobody serves the model
     assert isinstance(_events(job)[-1], Failed)
+
+
+def _frames(worker: WorkerConnection) -> list[object]:
+    out = []
+    while not worker.outbox.empty():
+        out.append(decode_router_message(worker.outbox.get_nowait()))
+    return out
+
+
+HEAVY, LIGHT = Tenant("heavy"), Tenant("light")
+TEN = tuple(range(10))  # ids of ten tokens: past ``preemption.MIN_TOKENS``
+
+
+@pytest.mark.parametrize("preempt", [True, False])
+def test_a_light_key_pauses_a_heavy_answer_which_goes_on_from_its_tokens(preempt: bool) -> None:
+    dispatcher = memory_dispatcher(RouterSettings(preempt=preempt))
+    worker = worker_connection("w", [ModelInfo(name=M, endpoints=(Endpoint.CHAT,))], slots=2)
+    dispatcher.workers.on_registered(worker)
+    body: dict[str, object] = {"messages": []}
+    heavy = [dispatcher.submit(Submission(M, Endpoint.CHAT, True, body, HEAVY)) for _ in range(3)]
+    dispatcher.workers.on_chunks(worker, [(heavy[0].id, HEAD, ()), (heavy[0].id, "a", TEN)])
+    # the other running answer has more tokens: the one with fewer is paused
+    dispatcher.workers.on_chunks(worker, [(heavy[1].id, HEAD, ()), (heavy[1].id, "a", TEN * 2)])
+    _frames(worker)
+    light = dispatcher.submit(Submission(M, Endpoint.CHAT, True, body, LIGHT))
+    if not preempt:
+        assert light.state is JobState.QUEUED and not _frames(worker)
+        return
+    cancel, start = _frames(worker)
+    assert cancel == JobCancel(job_id=heavy[0].id)
+    assert isinstance(start, JobStart) and start.job_id == light.id
+    assert light.state is JobState.ASSIGNED
+    assert heavy[0].state is JobState.QUEUED and heavy[0].preemptions == 1
+    assert heavy[0].resumes == 0  # a pause uses up no --resume-attempts
+    # a frame of the cancelled run still on its way is dropped
+    dispatcher.workers.on_chunks(worker, [(heavy[0].id, "late", (99,))])
+    assert [type(e).__name__ for e in _events(heavy[0])] == ["Data", "Data", "Requeued"]
+    # the light answer runs past MIN_TOKENS: it took its slot by a pause, nobody pauses it
+    dispatcher.workers.on_chunks(worker, [(light.id, HEAD, ()), (light.id, "x", TEN)])
+    assert light.state is JobState.STREAMING and not _frames(worker)
+    # its slot frees: the paused answer goes on first, under a new run id, from its tokens
+    dispatcher.workers.on_message(worker, JobDone(job_id=light.id))
+    [again] = _starts(worker)
+    assert again.job_id == f"{heavy[0].id}.1" and again.resume is not None
+    assert again.resume.tokens == TEN and again.resume.id == "chatcmpl-1"
+    assert heavy[2].state is JobState.QUEUED
+    dispatcher.workers.on_chunks(worker, [(heavy[0].id, "late", (99,))])  # old run: dropped
+    dispatcher.workers.on_chunks(worker, [(again.job_id, "b", (10,))])
+    assert [type(e).__name__ for e in _events(heavy[0])] == ["Data"]
+    # paused once already: never again
+    other = dispatcher.submit(Submission(M, Endpoint.CHAT, True, body, Tenant("other")))
+    dispatcher.workers.on_chunks(worker, [(again.job_id, "c", TEN)])
+    cancel, start = _frames(worker)
+    assert cancel == JobCancel(job_id=heavy[1].id)
+    assert isinstance(start, JobStart) and start.job_id == other.id
+    dispatcher.cancel(heavy[0], "client left")  # its run id is the one cancelled
+    assert _frames(worker)[0] == JobCancel(job_id=again.job_id)

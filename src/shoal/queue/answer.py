@@ -65,19 +65,17 @@ class AnswerSoFar:
             if tokens and data.startswith(PROGRESS):
                 self.logprobs += orjson.loads(data)["progress"]["logprobs"]
 
+    def resumable(self, endpoint: Endpoint) -> bool:
+        """Another run can go on exactly from what the client has."""
+        return self.started and self.exact and self.known and endpoint in RESUMABLE
+
     def continuation(
         self, endpoint: Endpoint, resumes: int, resume_attempts: int
     ) -> Continuation | None:
         """What another worker needs to go on, or None when it may not: nothing sent yet,
         not text, ids not exactly known, or out of resume attempts. (A non-streamed job
         sends its ids as progress the client does not get; it goes on and is answered whole.)"""
-        if (
-            not self.started
-            or not self.exact
-            or not self.known
-            or endpoint not in RESUMABLE
-            or resumes >= resume_attempts
-        ):
+        if not self.resumable(endpoint) or resumes >= resume_attempts:
             return None
         return Continuation(
             tokens=tuple(self.tokens),

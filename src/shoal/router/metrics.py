@@ -347,8 +347,16 @@ class Metrics:
         self._resumed = Counter(
             "shoal_jobs_resumed_total",
             "Answers resumed on another worker after theirs was lost mid-answer, per model and "
-            "reason (connection, heartbeat, stall, backend).",
+            "reason (connection, heartbeat, stall, backend, preempted).",
             ["model", "reason"],
+            registry=r,
+        )
+        self._preempted = Counter(
+            "shoal_jobs_preempted_total",
+            "Answers paused on their slot for a waiting job of a key below its share; each goes "
+            "on later where it stopped (also counted in shoal_jobs_resumed_total, reason "
+            "preempted).",
+            ["model"],
             registry=r,
         )
         self._resume_seconds = Histogram(
@@ -394,6 +402,9 @@ class Metrics:
 
     def job_resumed(self, model: str, reason: str) -> None:
         self._resumed.labels(model, reason).inc()
+
+    def job_preempted(self, model: str) -> None:
+        self._preempted.labels(model).inc()
 
     def resumed_output(self, model: str, seconds_since_loss: float) -> None:
         self._resume_seconds.labels(model).observe(seconds_since_loss)

@@ -51,6 +51,12 @@ class RouterSettings(CommonSettings):
         description="Order of the requests waiting for a model: fair (API keys share the "
         "workers by work done; async jobs wait for interactive requests) or fifo (arrival).",
     )
+    preempt: bool = Field(
+        True,
+        description="With --scheduling fair: a waiting request of a key below its share of "
+        "the slots may pause a running answer of a key above its share, which goes on later "
+        "exactly where it stopped (its client's stream just pauses).",
+    )
     routing: Literal["prefix", "least-loaded"] = Field(
         "prefix",
         description="Which worker a request goes to: prefix (the one whose llama-server "

@@ -118,6 +118,10 @@ class FairQueue(Generic[J]):
     def jobs(self) -> Iterator[J]:
         return iter(list(self._where))
 
+    def waiting_weights(self) -> dict[str, float]:
+        """The weight of each tenant with jobs waiting (their share of the slots)."""
+        return {lane[0].tenant.id: lane[0].tenant.weight for lane in self._lanes.values()}
+
     def waiting(self, tenant_id: str) -> int:
         """How many jobs of this tenant wait here (both classes)."""
         return self._waiting[tenant_id]

@@ -93,6 +93,8 @@ class Job:
     requeues: int = 0
     resumes: int = 0
     """Times its answer went on on another worker (``--resume-attempts``)."""
+    preemptions: int = 0
+    """Times it was paused for a job of a tenant below its share (``preemption``)."""
     resume: Continuation | None = None
     """What the client has of its answer, while it waits to go on (None: a fresh run)."""
     lost_at: float | None = None

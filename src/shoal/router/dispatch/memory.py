@@ -22,7 +22,7 @@ from shoal.router.dispatch.directory import RemoteWorker
 from shoal.router.dispatch.fair_queue import FairQueue, QueueFull, Tenant
 from shoal.router.dispatch.job import Job, JobState, Submission
 from shoal.router.dispatch.output import JobOutput
-from shoal.router.dispatch.running import Running
+from shoal.router.dispatch.running import PREEMPTED, Running
 from shoal.router.dispatch.worker_side import WorkerSide
 from shoal.router.metrics import Metrics
 from shoal.router.settings import RouterSettings
@@ -58,6 +58,7 @@ class MemoryDispatcher:
             self.pump,
             settings.resume_attempts,
             prefix=settings.routing == "prefix",
+            preempt=settings.preempt and settings.scheduling == "fair",
         )
         self.queue_backend = "memory"
         self.workers = WorkerSide(registry, self._running, self.pump)
@@ -118,6 +119,7 @@ class MemoryDispatcher:
             queue.position(job, now),
             len(queue),
         )
+        self.pump()  # with --preempt it may take a slot from a key above its share
         return job
 
     def _key_waiting(self, tenant: Tenant) -> int:
@@ -198,15 +200,26 @@ class MemoryDispatcher:
         self._queue(job).settle(job.tenant, job.work, tokens)
 
     def pump(self) -> None:
-        """Hand queued jobs to workers with free slots, in each queue's order."""
+        """Hand queued jobs to workers with free slots, in each queue's order; with
+        ``--preempt``, a head that finds none may take a slot from a tenant above its share."""
         now = time.monotonic()
         moved = False
         for queue in list(self._queues.values()):
-            while (job := queue.peek(now)) is not None and self._try_assign(job):
-                queue.pop(job)
+            while (job := queue.peek(now)) is not None and (
+                self._place(queue, job) or self._preempt_for(queue, job)
+            ):
                 moved = True
         if moved:
             self._queue_moved()
+
+    def _preempt_for(self, queue: FairQueue[Job], job: Job) -> bool:
+        return self._running.preempt(job, queue.waiting_weights(), lambda: self._place(queue, job))
+
+    def _place(self, queue: FairQueue[Job], job: Job) -> bool:
+        if not self._try_assign(job):
+            return False
+        queue.pop(job)
+        return True
 
     # ------------------------------------------------------------ Sink: what the jobs report
 
@@ -231,7 +244,10 @@ class MemoryDispatcher:
         if not any((ticket.model, ticket.endpoint) in w.served for w in self.registry):
             return False
         ticket.resume = resume
-        ticket.resumes += 1
+        if reason == PREEMPTED:  # (not a loss: it does not use up --resume-attempts)
+            self._output.metrics.job_preempted(ticket.model)
+        else:
+            ticket.resumes += 1
         self._output.metrics.job_resumed(ticket.model, reason)
         self._output.going_on(ticket, why)
         self._queue(ticket).push_front(ticket, ticket.tenant, ticket.work, time.monotonic())

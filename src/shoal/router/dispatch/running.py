@@ -18,7 +18,13 @@ into Redis. The rules live here once:
 * a non-streamed one goes on the same way: its worker sends its ids as chunks that are
   progress only (kept here, never sent on: the client gets one whole answer); when it cannot
   go on it runs again, as the client has nothing yet;
-* frames from a worker that no longer holds the job (cancelled, taken over) are dropped.
+* frames from a worker that no longer holds the job (cancelled, taken over) are dropped;
+* with ``--preempt`` (in-process), a waiting interactive job of a tenant below its share takes
+  the slot of a running answer of a tenant above it (``preemption.py`` chooses): that answer
+  is cancelled at its worker and waits first in its tenant's queue to go on from what its
+  client has, as if its worker were lost (the sink's ``go_on``, reason ``preempted``). Its
+  next run has its own wire id (``run_id``), so that frames of the cancelled run still on
+  their way are dropped even when the same worker runs it again.
 
 ``T`` is the dispatcher's handle on a job (the ``Job`` itself in-process, the Redis claim).
 """
@@ -27,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -44,7 +50,9 @@ from shoal.protocol.messages import (
 from shoal.protocol.prefix import held_blocks, prefix_chain
 from shoal.queue.answer import AnswerSoFar
 from shoal.queue.events import Data, OutputEvent, from_worker, worker_lost
+from shoal.router.dispatch.fair_queue import Priority
 from shoal.router.dispatch.job import Job, JobState
+from shoal.router.dispatch.preemption import MIN_TOKENS, RunningJob, WaitingJob, choose_victim
 from shoal.router.dispatch.scheduler import pick_worker
 from shoal.router.workers import Registry, WorkerConnection
 
@@ -52,6 +60,9 @@ log = logging.getLogger(__name__)
 
 PREFIXED = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
 """The endpoints whose prompt a llama-server slot keeps."""
+
+PREEMPTED = "preempted"
+"""The ``go_on`` reason (and resume metric label) of an answer paused for another job."""
 
 T = TypeVar("T")
 T_contra = TypeVar("T_contra", contravariant=True)
@@ -75,9 +86,15 @@ class Sink(Protocol[T_contra]):
 
     def go_on(self, ticket: T_contra, resume: Continuation, why: str, reason: str) -> bool:
         """The job answered in part and its worker is gone: put it back to wait, to go on
-        from ``resume`` (``reason``: the metric's label). False when it cannot (nobody
-        serves its model any more): it fails."""
+        from ``resume`` (``reason``: the metric's label; ``PREEMPTED``: it was paused for
+        another job). False when it cannot (nobody serves its model any more): it fails."""
         ...
+
+
+def run_id(job: Job) -> JobId:
+    """The id a run of ``job`` has on the wire: its own, and after each preemption a new
+    one (a late frame of a cancelled run is then never taken for the next run's)."""
+    return job.id if not job.preemptions else JobId(f"{job.id}.{job.preemptions}")
 
 
 @dataclass(eq=False, slots=True)
@@ -91,6 +108,9 @@ class Placed(Generic[T]):
     attempt: int
     answer: AnswerSoFar = field(default_factory=AnswerSoFar)
     """What the client has (once it has anything, the job can no longer run again)."""
+    since: float = field(default_factory=time.monotonic)
+    took_slot: bool = False
+    """It started on the slot of a job paused for it (it is never paused itself)."""
 
 
 class Running(Generic[T]):
@@ -103,16 +123,20 @@ class Running(Generic[T]):
         resume_attempts: int = 0,
         *,
         prefix: bool = True,
+        preempt: bool = False,
     ) -> None:
-        """``capacity`` is called whenever a slot may have freed; ``prefix``: route by the
-        prefixes workers hold (``--routing prefix``), else least loaded."""
+        """``capacity`` is called whenever a slot may have freed (or an answer became one
+        that may be paused, with ``preempt``); ``prefix``: route by the prefixes workers hold
+        (``--routing prefix``), else least loaded."""
         self.registry = registry
         self._prefix = prefix
+        self._preempt = preempt
         self._sink = sink
         self._max_requeues = max_requeues
         self._resume_attempts = resume_attempts
         self._capacity = capacity
-        self._placed: dict[JobId, Placed[T]] = {}
+        self._placed: dict[JobId, Placed[T]] = {}  # by run id (``run_id``)
+        self._runs: dict[JobId, JobId] = {}  # job id -> its run's id
 
     def __iter__(self) -> Iterator[Placed[T]]:
         return iter(list(self._placed.values()))
@@ -138,13 +162,14 @@ class Running(Generic[T]):
         worker.note_prefix(prefix)
         job.worker_id = worker.id
         job.transition(JobState.ASSIGNED, f"worker {worker.id}")
-        worker.running[job.id] = job
+        run = self._runs[job.id] = run_id(job)
+        worker.running[run] = job
         worker.last_assigned = time.monotonic()
         answer = AnswerSoFar() if resume is None else AnswerSoFar.going_on(resume)
-        self._placed[job.id] = Placed(ticket, job, worker, attempt, answer)
+        self._placed[run] = Placed(ticket, job, worker, attempt, answer)
         worker.send(
             JobStart(
-                job_id=job.id,
+                job_id=run,
                 model=job.model,
                 endpoint=job.endpoint,
                 stream=job.stream,
@@ -196,25 +221,33 @@ class Running(Generic[T]):
         worker.running[job.id] = job
         if answer is None or not started:
             answer = AnswerSoFar.unknown() if started else AnswerSoFar()
+        self._runs[job.id] = job.id
         self._placed[job.id] = Placed(ticket, job, worker, attempt, answer)
 
-    def _held_by(self, worker: WorkerConnection, job_id: JobId) -> Placed[T] | None:
-        placed = self._placed.get(job_id)
+    def _held_by(self, worker: WorkerConnection, run: JobId) -> Placed[T] | None:
+        placed = self._placed.get(run)
         if placed is None or placed.worker is not worker:
-            return None  # cancelled or taken over while the frame was in flight
+            return None  # cancelled, paused or taken over while the frame was in flight
         return placed
 
-    def _release(self, job_id: JobId) -> Placed[T] | None:
-        placed = self._placed.pop(job_id, None)
+    def _release(self, run: JobId) -> Placed[T] | None:
+        placed = self._placed.pop(run, None)
         if placed is not None:
-            placed.worker.running.pop(job_id, None)
+            placed.worker.running.pop(run, None)
+            self._runs.pop(placed.job.id, None)
+        return placed
+
+    def _cancel(self, run: JobId) -> Placed[T] | None:
+        """Free a job's slot here and tell its worker to stop it."""
+        placed = self._release(run)
+        if placed is not None:
+            placed.worker.send(JobCancel(job_id=run))
         return placed
 
     def stop(self, job_id: JobId) -> Placed[T] | None:
         """Stop a job here (cancelled, taken over): tell its worker and free its slot."""
-        placed = self._release(job_id)
+        placed = self._cancel(self._runs.get(job_id, job_id))
         if placed is not None:
-            placed.worker.send(JobCancel(job_id=job_id))
             log.info("job %s stopped on worker %s", job_id, placed.worker.id)
             self._capacity()
         return placed
@@ -232,11 +265,14 @@ class Running(Generic[T]):
         placed = self._held_by(worker, job_id)
         if placed is None:
             return
+        before = len(placed.answer.tokens)
         placed.answer.take(data, tokens)
-        if not placed.job.stream:
-            return  # progress: the ids so far, to go on from (the answer comes whole)
-        self._sink.output(placed.ticket, Data(data), now)
-        self._sink.trail(placed.ticket, tokens, placed.answer)
+        if placed.job.stream:
+            self._sink.output(placed.ticket, Data(data), now)
+            self._sink.trail(placed.ticket, tokens, placed.answer)
+        # (not streamed: progress, the ids so far to go on from; the answer comes whole)
+        if self._preempt and before < MIN_TOKENS <= len(placed.answer.tokens):
+            self._capacity()  # it may be paused now for a job waiting
 
     def on_end(self, worker: WorkerConnection, msg: JobDone | JobResult, now: float) -> None:
         placed = self._held_by(worker, msg.job_id)
@@ -274,8 +310,8 @@ class Running(Generic[T]):
     ) -> None:
         """Put back what the lost worker had not answered, go on elsewhere with what it had
         answered in part; fail the rest with a 502. ``reason``: the resume metric's label."""
-        for placed in [p for p in self._placed.values() if p.worker is worker]:
-            self._release(placed.job.id)
+        for run, placed in [(r, p) for r, p in self._placed.items() if p.worker is worker]:
+            self._release(run)
             if self._go_on(placed, f"worker {worker.id} lost: {why}", reason):
                 continue  # (nothing sent yet: no continuation, it may run again below)
             if self._may_run_again(placed):
@@ -315,3 +351,75 @@ class Running(Generic[T]):
             self._resume_attempts,
         )
         return True
+
+    # ------------------------------------------------------------ preemption
+
+    def preempt(self, job: Job, waiting: Mapping[str, float], place: Callable[[], bool]) -> bool:
+        """Pause a running answer for ``job``, which waits with no slot free, when
+        ``preemption.choose_victim`` says so (``waiting``: the weight of each tenant waiting
+        in ``job``'s queue); ``place`` then starts ``job`` on the slot freed. True when an
+        answer was paused (should ``place`` fail, the caller places what waits first on the
+        slot freed: none is left idle); False: none was."""
+        if not self._preempt:
+            return False
+        served = (job.model, job.endpoint)
+        workers = [w for w in self.registry if w.available and served in w.served]
+        running = [
+            self._candidate(run, other)
+            for worker in workers
+            for run, other in worker.running.items()
+        ]
+        victim = choose_victim(
+            running,
+            _waiting_job(job),
+            waiting,
+            sum(w.slots for w in workers),
+        )
+        if victim is None:
+            return False
+        assert isinstance(victim.ref, str)
+        paused = self._cancel(JobId(victim.ref))
+        assert paused is not None
+        resume = paused.answer.continuation(paused.job.endpoint, 0, 1)
+        assert resume is not None  # ``RunningJob.resumable``
+        paused.job.preemptions += 1
+        log.info(
+            "job %s model=%s key=%s preempted on worker %s after %d tokens, for job %s key=%s",
+            paused.job.id,
+            paused.job.model,
+            paused.job.tenant.id,
+            paused.worker.id,
+            len(resume.tokens),
+            job.id,
+            job.tenant.id,
+        )
+        if place() and (run := self._runs.get(job.id)) is not None:
+            self._placed[run].took_slot = True
+        why = f"paused on worker {paused.worker.id} for job {job.id}"
+        if not self._sink.go_on(paused.ticket, resume, why, PREEMPTED):
+            self._sink.output(paused.ticket, worker_lost(why), time.monotonic())
+        return True
+
+    def _candidate(self, run: JobId, job: Job) -> RunningJob:
+        """What preemption needs to know of a job running on a slot here."""
+        placed = self._placed.get(run)
+        tenant = job.tenant
+        interactive = tenant.priority is Priority.INTERACTIVE
+        if placed is None:  # not this router's to pause (a job held for another router)
+            return RunningJob(run, tenant.id, tenant.weight, interactive, 0, 0.0, False)
+        return RunningJob(
+            run,
+            tenant.id,
+            tenant.weight,
+            interactive,
+            len(placed.answer.tokens),
+            placed.since,
+            placed.answer.resumable(job.endpoint),
+            job.preemptions,
+            placed.took_slot,
+        )
+
+
+def _waiting_job(job: Job) -> WaitingJob:
+    tenant = job.tenant
+    return WaitingJob(tenant.id, tenant.weight, tenant.priority is Priority.INTERACTIVE)

@@ -7,7 +7,8 @@ each with its own key database holding two keys. Key A keeps ``--flood`` request
 ``--flood-tokens`` tokens in flight (closed loop: each one sent again as it ends,
 ``ignore_eos``); once its queue is full, key B sends ``--light`` short requests one after
 another. Reported: B's latency alone (before any flood), B's latency under the flood in each
-mode, and A's tokens/s meanwhile.
+mode, and A's tokens/s from B's first request over ``--window`` seconds (longer if B's
+requests take longer), counting A's answers that end in that stretch.
 
     python benchmarks/fairness.py
     python benchmarks/fairness.py --redis-url redis://127.0.0.1:6379/0
@@ -83,6 +84,7 @@ async def measure(
 ) -> Run:
     run = Run()
     stop = asyncio.Event()
+    ended: list[tuple[float, int]] = []  # (when, completion tokens) of each of A's answers
     limits = httpx.Limits(max_connections=args.flood + 8, max_keepalive_connections=args.flood + 8)
     async with (
         httpx.AsyncClient(base_url=router, timeout=600, limits=limits) as client,
@@ -98,7 +100,7 @@ async def measure(
                 )
                 r.raise_for_status()
                 if not stop.is_set():
-                    run.heavy_tokens += r.json()["usage"]["completion_tokens"]
+                    ended.append((time.perf_counter(), r.json()["usage"]["completion_tokens"]))
 
         async def queued() -> int:
             r = await client.get("/v1/models", headers={"Authorization": f"Bearer {light}"})
@@ -110,7 +112,14 @@ async def measure(
                 await asyncio.sleep(0.05)
             t0 = time.perf_counter()
             run.light_ms = await light_requests(light_client, light, args.light, args.light_tokens)
-            run.heavy_seconds = time.perf_counter() - t0
+            # A's rate over the same stretch in both modes: at least --window seconds from
+            # B's first request. Measured over B's requests alone, fair's window would be a
+            # few seconds, where the answers that happen to end and the slot B holds weigh
+            # as much as the flood; fifo's window would be minutes.
+            await asyncio.sleep(max(0.0, t0 + args.window - time.perf_counter()))
+            t1 = time.perf_counter()
+            run.heavy_seconds = t1 - t0
+            run.heavy_tokens = sum(n for when, n in ended if t0 <= when <= t1)
             run.preempted = await preempted(client, light)
             stop.set()
             for task in floods:
@@ -146,6 +155,12 @@ def main() -> None:
     parser.add_argument("--light", type=int, default=10, help="key B's requests, one by one")
     parser.add_argument("--light-tokens", type=int, default=16)
     parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument(
+        "--window",
+        type=float,
+        default=60.0,
+        help="A's tokens/s is measured over at least this many seconds from B's first request",
+    )
     parser.add_argument("--redis-url", help="two routers sharing this Redis (see above)")
     args = parser.parse_args()
 

@@ -54,8 +54,9 @@ class RouterSettings(CommonSettings):
     preempt: bool = Field(
         True,
         description="With --scheduling fair: a waiting request of a key below its share of "
-        "the slots may pause a running answer of a key above its share, which goes on later "
-        "exactly where it stopped (its client's stream just pauses).",
+        "the slots may pause a running answer of a key above its share, which then goes on "
+        "exactly where it stopped (its client's stream just pauses). In-process queue only: "
+        "with --redis-url nothing is paused.",
     )
     routing: Literal["prefix", "least-loaded"] = Field(
         "prefix",

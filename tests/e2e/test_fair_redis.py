@@ -153,7 +153,9 @@ def test_a_waiting_stream_on_a_redis_router_hears_its_place_count_down(
 
             async with asyncio.TaskGroup() as tg, holding_the_slot(client, key):
                 for _ in range(2):
-                    tg.create_task(plain(24))  # wait ahead
+                    # wait ahead, each long enough (96 tokens: about a second) that the
+                    # router's place snapshots (every 0.5 s) see the stream next in line
+                    tg.create_task(plain(96))
                 await until_waiting(redis_prefix, 2)
 
                 heard = asyncio.Event()

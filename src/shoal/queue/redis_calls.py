@@ -66,7 +66,9 @@ class QueueCalls:
             FINISHED_TTL_MS,
         ]
         self._scripts = {
-            name: redis.register_script(getattr(redis_scripts, name, None) or redis_claim.TAKE)
+            name: redis.register_script(
+                redis_claim.TAKE if name == "TAKE" else getattr(redis_scripts, name)
+            )
             for name in SCRIPTS
         }
 

@@ -219,28 +219,39 @@ def test_a_frozen_workers_answer_goes_on_before_its_heartbeats_time_out(fleet: F
     report(fleet, "SIGSTOP worker", answer)
 
 
-def decoded(backend_url: str) -> int:
-    """Tokens llama-server has generated for the answer it is working on."""
+def tasks(backend_url: str) -> dict[int, int]:
+    """Tokens generated so far by each task llama-server is working on (by ``id_task``)."""
     try:
         slots = httpx.get(backend_url + "/slots", timeout=2).json()
     except httpx.HTTPError:  # a llama-server restarting
-        return 0
-    return max((s["next_token"][0]["n_decoded"] for s in slots if s["is_processing"]), default=0)
+        return {}
+    return {s["id_task"]: s["next_token"][0]["n_decoded"] for s in slots if s["is_processing"]}
 
 
-def busy_backends(fleet: Fleet) -> dict[str, str]:
-    """Live workers whose llama-server is generating, by id, with its address (asked of
-    every llama-server: a router's list may lag, with Redis)."""
+def live_backends(fleet: Fleet) -> dict[str, str]:
+    """Live workers by id, with their llama-server's address (asked of every router: a
+    router's list may lag, with Redis)."""
     live = {worker for worker, p in fleet.procs.items() if p.alive() and p not in fleet.frozen}
     backends = {w["id"]: w["backend_url"] for r in fleet.routers for w in r.workers()}
-    return {w: url for w, url in backends.items() if w in live and decoded(url) > 0}
+    return {w: url for w, url in backends.items() if w in live}
 
 
-def generating(fleet: Fleet, before: dict[str, str]) -> tuple[str, str] | None:
-    """The worker generating the answer in flight: busy now and not ``before`` it was sent
-    (a slot an earlier test's fault left behind is not this answer)."""
-    busy = [(w, url) for w, url in busy_backends(fleet).items() if w not in before]
-    return busy[0] if len(busy) == 1 else None
+def running_tasks(fleet: Fleet) -> dict[str, set[int]]:
+    """The tasks each live worker's llama-server is working on now."""
+    return {w: set(tasks(url)) for w, url in live_backends(fleet).items()}
+
+
+def generating(fleet: Fleet, before: dict[str, set[int]]) -> tuple[str, str, int] | None:
+    """The worker generating the answer in flight, its llama-server and the task: one that
+    has generated tokens and was not running ``before`` the answer was sent (a generation an
+    earlier test's fault left running, even on the same llama-server, is not this answer)."""
+    new = [
+        (w, url, task)
+        for w, url in live_backends(fleet).items()
+        for task, n in tasks(url).items()
+        if n > 0 and task not in before.get(w, set())
+    ]
+    return new[0] if len(new) == 1 else None
 
 
 def test_a_killed_workers_non_streamed_answer_goes_on_and_comes_whole(fleet: Fleet) -> None:
@@ -254,13 +265,15 @@ def test_a_killed_workers_non_streamed_answer_goes_on_and_comes_whole(fleet: Fle
     body["logprobs"] = True
     headers = {"Authorization": f"Bearer {API_KEY}"}
     url = fleet.router.url + "/v1/chat/completions"
-    earlier = busy_backends(fleet)
+    earlier = running_tasks(fleet)
     with ThreadPoolExecutor(1) as pool:
         reply = pool.submit(httpx.post, url, json=body, headers=headers, timeout=60)
         # The worker relays each id as llama-server streams it: by FAULT_AFTER tokens the
         # router has the first ones.
-        worker, backend = wait_until(lambda: generating(fleet, earlier), 60, "the answer to start")
-        wait_until(lambda: decoded(backend) >= FAULT_AFTER, 30, "tokens", every=0.01)
+        worker, backend, task = wait_until(
+            lambda: generating(fleet, earlier), 60, "the answer to start"
+        )
+        wait_until(lambda: tasks(backend).get(task, 0) >= FAULT_AFTER, 30, "tokens", every=0.01)
         fleet.procs[worker].signal(signal.SIGKILL)
         r = reply.result()
     assert r.status_code == 200, r.text

@@ -10,14 +10,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import redis
 
 from cluster import MODEL, Cluster, Router, wait_until
 
@@ -144,18 +142,6 @@ def test_a_restarted_llama_server_holds_nothing(cluster: Cluster, make_client: C
     # Were tenant-a's prompt still counted on `first`, it would go there; it goes by load.
     back, _ = ask(client, "tenant-a", "Hello again?", rules=short)
     assert back == other
-
-
-@pytest.fixture
-def redis_prefix() -> Iterator[str]:
-    prefix = f"shoal-e2e-{uuid.uuid4().hex[:8]}:"
-    yield prefix
-    client = redis.Redis(host="127.0.0.1", port=6379)
-    try:
-        for key in client.scan_iter(match=prefix + "*", count=500):
-            client.unlink(key)
-    finally:
-        client.close()
 
 
 def test_a_prefix_held_behind_another_router_is_reused_there(

@@ -181,7 +181,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--tenants", type=int, default=8)
+    parser.add_argument(
+        "--tenants", type=int, default=None, help="default: as many as slots in total"
+    )
     parser.add_argument("--requests", type=int, default=24, help="per mode and concurrency")
     parser.add_argument("--words", type=int, default=960, help="system prompt words (~1k tokens)")
     parser.add_argument("--max-tokens", type=int, default=16)
@@ -190,6 +192,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--seed", type=int, default=15)
     args = parser.parse_args()
+    if args.tenants is None:
+        args.tenants = args.workers * args.slots
 
     cache = CommonSettings().cache_dir
     binary = resolve(explicit=None, cache_dir=cache, path_env=None, allow_build=False)

@@ -1,23 +1,24 @@
 """How the Redis job queue talks to Redis: its Lua scripts by name, every call riding out an
 outage.
 
-Every script of ``redis_scripts`` (and ``redis_claim``'s ``TAKE``) that works on jobs takes the same
-leading arguments (the group, this consumer, the key prefixes, the output stream's limits);
-``QueueCalls.run`` prepends them. Every call, scripted or not, goes through ``retry``: it is retried
-with backoff for ``outage_s`` while Redis is unreachable (``redis_support.retrying``), which is safe
-because each step is idempotent, and the outage is logged once (``OutageLog``).
+Every script that works on jobs (``redis_scripts``' waiting side, ``redis_claim``'s ``TAKE``,
+``redis_leases``' holder side) takes the same leading arguments (the group, this consumer, the
+key prefixes, the output stream's limits); ``QueueCalls.run`` prepends them. Every call,
+scripted or not, goes through ``retry``: it is retried with backoff for ``outage_s`` while Redis
+is unreachable (``redis_support.retrying``), which is safe because each step is idempotent, and
+the outage is logged once (``OutageLog``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 from redis.typing import EncodableT
 
-from shoal.queue import redis_claim, redis_scripts
+from shoal.queue import redis_claim, redis_leases, redis_scripts
 from shoal.queue.redis_keys import (
     FINISHED_TTL_MS,
     GROUP,
@@ -30,15 +31,23 @@ from shoal.queue.redis_support import OutageLog, retrying
 
 T = TypeVar("T")
 
-SCRIPTS = ("ENQUEUE", "TAKE", "POSITIONS", "RECLAIM", "RENEW", "PUBLISH") + (
-    "ACK",
-    "GIVE_BACK",
-    "GO_ON",
-    "ADOPT",
-    "CANCEL",
-    "PRUNE",
-)
-"""The scripts ``run`` calls by name (with the common arguments first)."""
+SCRIPTS: Mapping[str, str] = {
+    "ENQUEUE": redis_scripts.ENQUEUE,
+    "POSITIONS": redis_scripts.POSITIONS,
+    "CANCEL": redis_scripts.CANCEL,
+    "TAKE": redis_claim.TAKE,
+    "RENEW": redis_leases.RENEW,
+    "PUBLISH": redis_leases.PUBLISH,
+    "ACK": redis_leases.ACK,
+    "GIVE_BACK": redis_leases.GIVE_BACK,
+    "GO_ON": redis_leases.GO_ON,
+    "ADOPT": redis_leases.ADOPT,
+    "RECLAIM": redis_leases.RECLAIM,
+    "PRUNE": redis_leases.PRUNE,
+}
+"""The scripts ``run`` calls by name (with the common arguments first): the waiting side
+(``redis_scripts``), the claim (``redis_claim``) and the holder's side (``redis_leases``).
+A name not listed here is a ``KeyError`` at the call, never a fallback."""
 
 
 class QueueCalls:
@@ -65,12 +74,7 @@ class QueueCalls:
             OUT_TTL_MS,
             FINISHED_TTL_MS,
         ]
-        self._scripts = {
-            name: redis.register_script(
-                redis_claim.TAKE if name == "TAKE" else getattr(redis_scripts, name)
-            )
-            for name in SCRIPTS
-        }
+        self._scripts = {name: redis.register_script(lua) for name, lua in SCRIPTS.items()}
 
     async def run(self, name: str, keys: Sequence[str], args: Iterable[EncodableT]) -> Any:
         """Run the script ``name`` (one of ``SCRIPTS``) with the common arguments first."""

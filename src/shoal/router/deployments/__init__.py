@@ -18,7 +18,8 @@ Pure (data in, decision out; no I/O, no router state): ``placement`` (the layer 
 ``profile`` (a GGUF → the planner's profile), ``launch`` (a plan → the head's arguments,
 and placed layers read back), ``deployment`` (what was asked, and the state machine).
 The rest runs in the router, which owns the workers' connections: ``controller`` (the loop
-that deploys and heals), ``nodes`` (which workers a plan is made over), ``store`` (the
+that deploys and heals), ``shards`` (what starts and stops a deployment's shards on the
+workers, in order), ``nodes`` (which workers a plan is made over), ``store`` (the
 deployments in the router's database), ``leases`` + ``sharing`` (which router runs each
 deployment when several share Redis), ``tunnels`` (the RPC tunnel hub, told about
 workers), ``views`` (the status JSON) and ``routes`` (the HTTP API).

@@ -22,6 +22,10 @@ reconciles every deployment:
 Deployments are kept in the router's database (``store``) and deployed again
 after a restart as workers connect.
 
+This module decides *when*: the state machine's transitions, retries and backoff, the events.
+*How* a deployment's shards start and stop (the ``ShardStart`` each worker gets, the head's
+peers and tunnels, ``ShardStop``) is ``shards``.
+
 Several routers on one Redis and one database: each runs only the deployments whose lease
 it holds (``sharing``), and shows the others as their holders published them.
 """
@@ -38,12 +42,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shoal.models.gguf_info import inspect_cached
-from shoal.protocol.ids import ModelName, WorkerId
+from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import (
     ModelFile,
-    RpcPeer,
     ShardRole,
-    ShardStart,
     ShardState,
     ShardStatus,
     ShardStop,
@@ -53,14 +55,18 @@ from shoal.router.deployments.deployment import (
     Deployment,
     DeploymentSpec,
     DeploymentState,
-    ShardView,
-    TunnelBytes,
 )
-from shoal.router.deployments.launch import head_launch
 from shoal.router.deployments.leases import DeploymentLeases
 from shoal.router.deployments.nodes import deployment_nodes
 from shoal.router.deployments.placement import Node, NoFit, Plan
 from shoal.router.deployments.profile import Planned, plan_for
+from shoal.router.deployments.shards import (
+    Shards,
+    Tunnels,
+    other_builds,
+    placement_note,
+    shard_views,
+)
 from shoal.router.deployments.sharing import Sharing
 from shoal.router.deployments.views import deployment_view
 from shoal.router.workers import Registry, WorkerConnection
@@ -82,20 +88,6 @@ class Specs(Protocol):
     def save(self, spec: DeploymentSpec) -> None: ...
 
     def delete(self, name: str) -> bool: ...
-
-
-class Tunnels(Protocol):
-    """The router's RPC tunnels: one per (deployment, stage), authenticated by secrets."""
-
-    def open(self, deployment: str, stage: WorkerConnection) -> RpcPeer:
-        """A tunnel to ``stage``'s ggml-rpc-server; the peer entry the head dials it by."""
-        ...
-
-    def close(self, deployment: str) -> None: ...
-
-    def traffic(self, deployment: str) -> TunnelBytes:
-        """What the deployment's tunnels carried so far, closed ones included."""
-        ...
 
 
 class DeploymentError(Exception):
@@ -122,6 +114,7 @@ class Deployments:
         self.tunnels = tunnels
         self.resolve = resolve
         self.pin = pin
+        self.shards = Shards(registry, tunnels)
         self.sharing = Sharing(leases) if leases is not None else None
         self.items: dict[str, Deployment] = {}
         self._edits = 0  # writes of the stored deployments by this router's API, done
@@ -157,7 +150,7 @@ class Deployments:
         with self._editing():
             await asyncio.to_thread(self.store.save, spec)
         if old is not None:
-            self._stop_shards(old, "redeployed with new settings")
+            self.shards.stop(old, "redeployed with new settings")
         deployment = Deployment(spec)
         self.items[spec.name] = deployment
         log.info("deployment %s of %s accepted (%s mode)", spec.name, spec.source, spec.mode)
@@ -174,7 +167,7 @@ class Deployments:
             return None
         with self._editing():
             await asyncio.to_thread(self.store.delete, name)
-        self._stop_shards(deployment, "undeployed")
+        self.shards.stop(deployment, "undeployed")
         if self.sharing is not None:
             await self.sharing.let_go(name)
         log.info("deployment %s undeployed", name)
@@ -189,7 +182,7 @@ class Deployments:
             planned = self._plan(d)
             new = planned.result if planned is not None else None
             if isinstance(new, Plan) and (d.plan is None or _layout(d.plan) != _layout(new)):
-                self._stop_shards(d, "rebalancing")
+                self.shards.stop(d, "rebalancing")
                 d.move(DeploymentState.PENDING, "rebalancing")
                 d.retry_at = 0.0
         self.wake()
@@ -238,7 +231,7 @@ class Deployments:
         shard.devices = msg.devices
         shard.placement = msg.placement
         shard.seed = msg.seed or shard.seed
-        odd = _other_builds(d, shard)
+        odd = other_builds(d, shard)
         if odd:
             self._degrade(d, odd)
         elif msg.state is ShardState.FAILED:
@@ -249,7 +242,7 @@ class Deployments:
                     seconds=round(time.monotonic() - d.started_at, 3),
                     tunnel=self.tunnels.traffic(d.name) - d.tunnel_at_start,
                 )
-                d.move(DeploymentState.SERVING, _placement_note(d))
+                d.move(DeploymentState.SERVING, placement_note(d))
             elif all(s.state is ShardState.READY for s in d.stages):
                 self._start_head(d)
         self.wake()
@@ -306,19 +299,19 @@ class Deployments:
         """The stored deployments, as another router may have changed them."""
         stored = {s.name: s for s in specs}
         for name in [n for n in self.items if n not in stored]:
-            self._stop_shards(self.items.pop(name), "undeployed on another router")
+            self.shards.stop(self.items.pop(name), "undeployed on another router")
         for name, spec in stored.items():
             old = self.items.get(name)
             if old is None or _settings(old.spec) != _settings(spec):
                 if old is not None:
-                    self._stop_shards(old, "redeployed with new settings on another router")
+                    self.shards.stop(old, "redeployed with new settings on another router")
                 self.items[name] = Deployment(spec)
                 self.wake()
 
     def lose(self, name: str, why: str) -> None:
         d = self.items.get(name)
         if d is not None and d.state is not DeploymentState.PENDING:
-            self._stop_shards(d, why)
+            self.shards.stop(d, why)
             d.move(DeploymentState.PENDING, why)
 
     def fits_here(self, d: Deployment) -> bool:
@@ -372,17 +365,7 @@ class Deployments:
             self._pending(d, f"cannot pin {d.spec.source}: {exc}")
             return
         d.plan = result
-        d.shards = [
-            ShardView(
-                worker_id=s.node_id,
-                role=ShardRole.HEAD if i == 0 else ShardRole.STAGE,
-                first_layer=s.first_layer,
-                last_layer=s.last_layer,
-                planned_bytes=s.total_bytes,
-                free_bytes=s.free_bytes,
-            )
-            for i, s in enumerate(result.shards)
-        ]
+        d.shards = shard_views(result)
         d.attempts += 1
         d.started_at = time.monotonic()
         d.tunnel_at_start = self.tunnels.traffic(d.name)
@@ -394,84 +377,24 @@ class Deployments:
         if not d.stages:
             self._start_head(d)
             return
-        for n, shard in enumerate(d.stages):
-            start = self._shard_start(d, ShardRole.STAGE).model_copy(
-                update={
-                    "layers": (shard.first_layer, shard.last_layer),
-                    "output": n == len(d.stages) - 1,
-                }
-            )
-            self._send(shard.worker_id, start)
+        self.shards.start_stages(d)
 
     def _start_head(self, d: Deployment) -> None:
-        head = d.head
-        assert head is not None and d.plan is not None
-        peers: list[RpcPeer] = []
-        for shard in d.stages:
-            if d.spec.mode == "direct":
-                if shard.rpc_address is None:
-                    self._degrade(d, f"stage {shard.worker_id} gave no direct address")
-                    return
-                peers.append(RpcPeer(worker_id=WorkerId(shard.worker_id), direct=shard.rpc_address))
-                continue
-            stage = self.registry.get(WorkerId(shard.worker_id))
-            try:
-                if stage is None:
-                    raise RuntimeError(f"stage {shard.worker_id} is not connected here")
-                peers.append(self.tunnels.open(d.name, stage))
-            except RuntimeError as exc:  # the listener is not up (yet), or the stage left
-                self._degrade(d, f"no tunnel to stage {shard.worker_id}: {exc}")
-                return
-        launch = head_launch(d.plan, [s.devices for s in d.stages])
-        start = self._shard_start(d, ShardRole.HEAD).model_copy(
-            update={
-                "peers": tuple(peers),
-                "n_gpu_layers": launch.n_gpu_layers,
-                "tensor_split": tuple(float(x) for x in launch.tensor_split),
-            }
-        )
-        self._send(head.worker_id, start)
-
-    def _shard_start(self, d: Deployment, role: ShardRole) -> ShardStart:
-        return ShardStart(
-            deployment=d.name,
-            role=role,
-            model=ModelName(d.name),
-            source=d.spec.source,
-            file=d.file,
-            ctx_size=d.plan.ctx if d.plan else d.spec.ctx,
-            slots=d.spec.slots,
-            direct=d.spec.mode == "direct",
-        )
-
-    def _send(self, worker_id: str, msg: ShardStart) -> None:
-        worker = self.registry.get(WorkerId(worker_id))
-        if worker is not None:
-            worker.send(msg)
+        why = self.shards.start_head(d)
+        if why:
+            self._degrade(d, why)
 
     def _pending(self, d: Deployment, why: str) -> None:
         if d.state is not DeploymentState.PENDING:
-            self._stop_shards(d, why)
+            self.shards.stop(d, why)
         d.move(DeploymentState.PENDING, why)
         d.retry_at = 0.0  # planned again at the next event (a worker joining, a heartbeat)
 
     def _degrade(self, d: Deployment, why: str) -> None:
-        self._stop_shards(d, why)
+        self.shards.stop(d, why)
         if d.state is not DeploymentState.PENDING:
             d.move(DeploymentState.DEGRADED, why)
         d.retry_at = time.monotonic() + _backoff(d.attempts)
-
-    def _stop_shards(self, d: Deployment, why: str) -> None:
-        for shard in d.shards:
-            worker = self.registry.get(WorkerId(shard.worker_id))
-            if worker is not None:
-                worker.send(ShardStop(deployment=d.name))
-        if d.shards:
-            log.info("deployment %s: shards stopped (%s)", d.name, why)
-        self.tunnels.close(d.name)
-        d.shards = []
-        d.plan = None
-        d.file = None
 
     # ------------------------------------------------------------ views
 
@@ -495,32 +418,9 @@ def _settings(spec: DeploymentSpec) -> DeploymentSpec:
     return dataclasses.replace(spec, created_at=0.0)
 
 
-def _other_builds(d: Deployment, reported: ShardView) -> str:
-    """Why the shards cannot work together ('' if they can): llama.cpp's RPC protocol
-    changes between builds, so the head and every stage must run the same one."""
-    if not reported.build:
-        return ""
-    odd = [s for s in d.shards if s.build and s.build != reported.build]
-    if not odd:
-        return ""
-    runs = ", ".join(f"{s.role.value} {s.worker_id} runs {s.build}" for s in odd)
-    return (
-        f"llama.cpp builds differ: {reported.role.value} {reported.worker_id} runs "
-        f"{reported.build}, {runs}; install the same Shoal version on every worker"
-    )
-
-
 def _layout(plan: Plan) -> tuple[tuple[str, int, int], ...]:
     return tuple((s.node_id, s.first_layer, s.last_layer) for s in plan.shards)
 
 
 def _backoff(attempts: int) -> float:
     return float(min(RETRY_MAX_S, RETRY_FIRST_S * 2.0 ** max(attempts - 1, 0)))
-
-
-def _placement_note(d: Deployment) -> str:
-    head = d.head
-    if head is None or not head.placement:
-        return "serving"
-    devices = ", ".join(f"{p.device} {p.model_bytes / 2**20:.1f} MiB" for p in head.placement)
-    return f"serving; placement: {devices}"

@@ -29,7 +29,7 @@ class _Route:
 
 
 class RouterTunnels:
-    """``controller.Tunnels`` over a ``TunnelHub`` listening beside the router."""
+    """``shards.Tunnels`` over a ``TunnelHub`` listening beside the router."""
 
     def __init__(
         self, registry: Registry, host: str, port: int, tls: ssl.SSLContext | None

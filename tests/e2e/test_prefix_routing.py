@@ -174,4 +174,4 @@ def test_a_prefix_held_behind_another_router_is_reused_there(
         again, cached = ask(make_client(other.url), tenant, "And then?")
         assert again == served
         assert cached >= 300  # the system prompt (~400 tokens) was reused
-        assert "whose worker holds its prefix" in other.proc.log()
+        assert "where a worker holds its prefix" in other.proc.log()

@@ -31,7 +31,9 @@ from shoal.protocol.messages import (
     Register,
 )
 from shoal.protocol.prefix import prefix_chain
+from shoal.queue import events
 from shoal.queue.redis_keys import RedisKeys
+from shoal.queue.redis_streams import RedisJobQueue
 from shoal.router.app import build_app
 from shoal.router.dispatch.interface import Dispatcher
 from shoal.router.dispatch.job import Job, Submission
@@ -330,4 +332,39 @@ async def test_a_job_is_held_for_the_pull_worker_holding_its_prefix(
         )
         for task in tasks:
             task.cancel()
+    await redis.aclose()
+
+
+async def test_a_router_reads_the_worker_list_as_a_job_it_sent_ends(
+    routers: Callable[..., RouterApp], redis_prefix: str
+) -> None:
+    """A router with no worker of its own syncs at its (here 6 s) interval; a job it sent
+    ending elsewhere (here on a pull worker's consumer) makes it read the worker list within
+    ``PUSH_GAP_S``, so the pull worker's new holding counts for the tenant's next request."""
+    redis = aioredis.Redis(host="127.0.0.1", port=6379)
+    p1 = PullEntry(redis, redis_prefix, "p1")
+    body = {"messages": [{"role": "system", "content": "Rule 1 of tenant-a. " * 100}]}
+    chain = prefix_chain(M, body)
+    async with asyncio.TaskGroup() as tg:
+        task = tg.create_task(p1.presence.run())
+        while not await redis.exists(p1.presence.key):
+            await asyncio.sleep(0.02)
+        router = routers(heartbeat_interval=6.0)  # its first sync lists p1, holding nothing
+        await until(lambda: router.dispatcher.remote_workers(), "the router to list p1")
+        p1.cached = chain  # the first request's prompt, now in p1's slots
+        p1.presence.soon()
+        job = router.dispatcher.submit(Submission(M, Endpoint.CHAT, False, {}))
+        claimer = RedisJobQueue(redis, redis_prefix, p1.consumer)
+        [claimed] = await claimer.claim([(M, Endpoint.CHAT)], 1, 5000)
+        await asyncio.sleep(0.3)  # p1's entry is written
+        ended = asyncio.get_running_loop().time()
+        await claimer.publish(claimed, events.Done())
+        await until(
+            lambda: router.dispatcher.directory.hold_for(M, Endpoint.CHAT, chain),
+            "the router to read p1's holding",
+        )
+        assert asyncio.get_running_loop().time() - ended < 2.0  # not the 6 s interval
+        assert router.dispatcher.directory.hold_for(M, Endpoint.CHAT, chain) == p1.consumer
+        assert job.state.finished
+        task.cancel()
     await redis.aclose()

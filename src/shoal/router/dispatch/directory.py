@@ -5,11 +5,12 @@ Each router writes a hash per worker connected to it (``redis_keys.worker_key``:
 it), with a TTL it refreshes every sync, and deletes it when the worker disconnects; a
 router that dies leaves hashes that expire. Each sync also reads every worker hash (through
 the ``worker_index_key`` set, never ``SCAN``), so ``remote`` is the other routers' workers
-as of the last sync. A sync runs every ``interval_s``, at once after ``changed()`` (a
-worker joined or left here), and after ``soon()`` (a job started or ended here, or a
-worker's slots hold something new) at most every ``PUSH_GAP_S``: what a worker holds and how
-busy it is reach the other routers promptly, bounded in rate. They read it at their own
-next sync (their interval, or a change of theirs).
+as of the last sync (pull workers' entries too). A sync runs every ``interval_s``, at once
+after ``changed()`` (a worker joined or left here), and after ``soon()`` (a job started or
+ended here, a job this router sent ended anywhere, or a worker's slots hold something new)
+at most every ``PUSH_GAP_S``: what a worker holds and how busy it is reach the other routers
+promptly, bounded in rate. They read it at their own next sync (their interval, or a change
+of theirs).
 
 ``hold_for`` is who should claim a job with a given prefix (``scheduler.hold_for`` over this
 router's workers and every other one listed): the router holding the worker, or a pull worker

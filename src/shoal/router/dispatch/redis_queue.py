@@ -373,6 +373,11 @@ class RedisDispatcher:
                 self._output.requeued(job, reason)
             case _:
                 self._output.deliver(job, event, time.monotonic())
+                if events.is_final(event):
+                    # What the worker that ran it holds now (a pull worker's, or another
+                    # router's) is read within PUSH_GAP_S for the next hold_for, not only at
+                    # this router's next heartbeat sync.
+                    self.directory.soon()
 
     def _fail(self, job: Job, status: int, error: ErrorBody) -> None:
         self._output.deliver(job, events.Failed(status, error), time.monotonic())

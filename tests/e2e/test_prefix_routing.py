@@ -3,7 +3,7 @@ a tenant's requests go back to the worker whose llama-server holds its system pr
 reuse it; a hot tenant stays there while a slot is free, then spills to another worker; a
 restarted llama-server holds nothing, and the router stops counting on it. With several
 routers on one Redis, a request sent to one router waits briefly for the router whose worker
-holds its prompt."""
+holds its prompt, or for the pull worker that holds it."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from cluster import MODEL, Cluster, Router, wait_until
+from shoal.worker.redis_pull import consumer_name
 
 pytestmark = pytest.mark.e2e
 
@@ -174,4 +175,29 @@ def test_a_prefix_held_behind_another_router_is_reused_there(
         again, cached = ask(make_client(other.url), tenant, "And then?")
         assert again == served
         assert cached >= 300  # the system prompt (~400 tokens) was reused
-        assert "whose worker holds its prefix" in other.proc.log()
+        assert "where a worker holds its prefix" in other.proc.log()
+
+
+def test_a_prefix_a_pull_worker_holds_is_reused_there(
+    cluster: Cluster, make_client: Client, redis_prefix: str
+) -> None:
+    """A router and two pull workers on one Redis: a tenant's second request is held for the
+    pull worker that served its first (by the name it claims under), which takes it and
+    reuses its system prompt, while the other pull worker, as free, passes it over."""
+    redis_url = "redis://127.0.0.1:6379/0"
+    router = cluster.router("--redis-url", redis_url, "--redis-prefix", redis_prefix)
+    for name in ("p1", "p2"):
+        cluster.pull_worker(redis_url, redis_prefix, "--slots", "2", name=name)
+    router.wait_workers(2)
+    client = make_client(router.url)
+    for tenant in ("tenant-a", "tenant-b"):
+        served, _ = ask(client, tenant)
+        wait_until(
+            lambda w=served: by_id(router)[w]["cached_blocks"] or None,
+            15,
+            "the router to see what the pull worker holds",
+        )
+        again, cached = ask(client, tenant, "And then?")
+        assert again == served
+        assert cached >= 300  # the system prompt (~400 tokens) was reused
+        assert f"for {consumer_name(served)}, where a worker holds its prefix" in router.proc.log()

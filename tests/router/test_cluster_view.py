@@ -16,16 +16,24 @@ from typing import Any
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 from socketless import worker_connection
 
-from shoal.protocol.ids import ModelName
+from shoal.protocol.ids import ModelName, WorkerId
 from shoal.protocol.messages import (
+    PROTOCOL_VERSION,
     BackendState,
     CacheChanged,
     Endpoint,
+    Hardware,
     ModelInfo,
+    Register,
 )
+from shoal.protocol.prefix import prefix_chain
+from shoal.queue import events
+from shoal.queue.redis_keys import RedisKeys
+from shoal.queue.redis_streams import RedisJobQueue
 from shoal.router.app import build_app
 from shoal.router.dispatch.interface import Dispatcher
 from shoal.router.dispatch.job import Job, Submission
@@ -34,6 +42,8 @@ from shoal.router.dispatch.redis_queue import RedisDispatcher
 from shoal.router.routes.inference import FastPath
 from shoal.router.settings import RouterSettings
 from shoal.router.workers import WorkerConnection
+from shoal.worker.redis_presence import Presence, summary
+from shoal.worker.redis_pull import consumer_name
 
 M = ModelName("smol")
 WAIT_S = 5.0
@@ -242,3 +252,119 @@ async def test_what_a_worker_holds_reaches_the_other_routers_promptly(
     assert b.dispatcher.directory.hold_for(M, Endpoint.CHAT, chain) == a.dispatcher.name
     assert a.dispatcher.directory.hold_for(M, Endpoint.CHAT, chain) == a.dispatcher.name
     assert b.dispatcher.directory.hold_for(M, Endpoint.CHAT, chain[:2]) is None  # too short
+
+
+class PullEntry:
+    """A pull worker's entry in the worker list, written by the real ``Presence`` with the
+    real ``summary`` (no llama-server: ``cached`` and ``running`` stand for its slots)."""
+
+    def __init__(self, redis: aioredis.Redis, prefix: str, name: str) -> None:
+        self.cached: tuple[int, ...] = ()
+        self.running = 0
+        self.consumer = consumer_name(name)
+        self.register = Register(
+            protocol_version=PROTOCOL_VERSION,
+            worker_id=WorkerId(name),
+            name=name,
+            hardware=Hardware(
+                hostname=name, os="linux", cpu_count=2, ram_total_bytes=1, ram_available_bytes=1
+            ),
+            models=(ModelInfo(name=M, endpoints=(Endpoint.CHAT,)),),
+            slots=2,
+            state=BackendState.READY,
+        )
+        self.presence = Presence(redis, prefix, name, self.describe, interval_s=6.0)
+
+    async def describe(self) -> dict[str, object]:
+        return summary(
+            self.register,
+            detail="",
+            running_jobs=self.running,
+            ram_available_bytes=1,
+            gpu_free_bytes=(),
+            connected_at=0.0,
+            consumer=self.consumer,
+            cached_blocks=self.cached,
+        )
+
+
+async def test_a_job_is_held_for_the_pull_worker_holding_its_prefix(
+    routers: Callable[..., RouterApp], redis_prefix: str
+) -> None:
+    """A pull worker's entry names its consumer: a router holds a job whose prefix its slots
+    hold for that name, the one it claims under (issue 15, item 3). What its slots hold is
+    pushed within ``PUSH_GAP_S``, not at its (here 6 s) interval."""
+    router = routers()
+    redis = aioredis.Redis(host="127.0.0.1", port=6379)
+    p1, p2 = PullEntry(redis, redis_prefix, "p1"), PullEntry(redis, redis_prefix, "p2")
+    body = {"messages": [{"role": "system", "content": "Rule 1 of tenant-a. " * 100}]}
+    chain = prefix_chain(M, body)
+    assert len(chain) >= 6  # ~400 tokens: worth a hold
+    directory = router.dispatcher.directory
+    async with asyncio.TaskGroup() as tg:
+        tasks = [tg.create_task(p.presence.run()) for p in (p1, p2)]
+        await until(lambda: len(router.dispatcher.remote_workers()) == 2, "both entries listed")
+        assert directory.hold_for(M, Endpoint.CHAT, chain) is None  # held nowhere yet
+        started = asyncio.get_running_loop().time()
+        p1.cached, p2.cached = chain, chain[:2]
+        for p in (p1, p2):
+            p.presence.soon()
+        await until(lambda: directory.hold_for(M, Endpoint.CHAT, chain), "p1's holding to arrive")
+        assert asyncio.get_running_loop().time() - started < 2.0  # not the 6 s interval
+        assert directory.hold_for(M, Endpoint.CHAT, chain) == p1.consumer  # not "pull"
+        # The job's hold in Redis names p1's consumer: TAKE gives it to p1 alone for a while.
+        job = router.dispatcher.submit(Submission(M, Endpoint.CHAT, False, body))
+        key = RedisKeys(redis_prefix).job(job.id)
+
+        async def held_for() -> bytes | None:
+            return await redis.hget(key, "for")  # type: ignore[no-any-return]
+
+        async with asyncio.timeout(WAIT_S):
+            while (got := await held_for()) is None:
+                await asyncio.sleep(0.02)
+        assert got == p1.consumer.encode()
+        router.dispatcher.cancel(job, "test")
+        # Full, p1 is held for no more (its running count is pushed the same way).
+        p1.running = 2
+        p1.presence.soon()
+        await until(
+            lambda: directory.hold_for(M, Endpoint.CHAT, chain) is None, "p1 full to arrive"
+        )
+        for task in tasks:
+            task.cancel()
+    await redis.aclose()
+
+
+async def test_a_router_reads_the_worker_list_as_a_job_it_sent_ends(
+    routers: Callable[..., RouterApp], redis_prefix: str
+) -> None:
+    """A router with no worker of its own syncs at its (here 6 s) interval; a job it sent
+    ending elsewhere (here on a pull worker's consumer) makes it read the worker list within
+    ``PUSH_GAP_S``, so the pull worker's new holding counts for the tenant's next request."""
+    redis = aioredis.Redis(host="127.0.0.1", port=6379)
+    p1 = PullEntry(redis, redis_prefix, "p1")
+    body = {"messages": [{"role": "system", "content": "Rule 1 of tenant-a. " * 100}]}
+    chain = prefix_chain(M, body)
+    async with asyncio.TaskGroup() as tg:
+        task = tg.create_task(p1.presence.run())
+        while not await redis.exists(p1.presence.key):
+            await asyncio.sleep(0.02)
+        router = routers(heartbeat_interval=6.0)  # its first sync lists p1, holding nothing
+        await until(lambda: router.dispatcher.remote_workers(), "the router to list p1")
+        p1.cached = chain  # the first request's prompt, now in p1's slots
+        p1.presence.soon()
+        job = router.dispatcher.submit(Submission(M, Endpoint.CHAT, False, {}))
+        claimer = RedisJobQueue(redis, redis_prefix, p1.consumer)
+        [claimed] = await claimer.claim([(M, Endpoint.CHAT)], 1, 5000)
+        await asyncio.sleep(0.3)  # p1's entry is written
+        ended = asyncio.get_running_loop().time()
+        await claimer.publish(claimed, events.Done())
+        await until(
+            lambda: router.dispatcher.directory.hold_for(M, Endpoint.CHAT, chain),
+            "the router to read p1's holding",
+        )
+        assert asyncio.get_running_loop().time() - ended < 2.0  # not the 6 s interval
+        assert router.dispatcher.directory.hold_for(M, Endpoint.CHAT, chain) == p1.consumer
+        assert job.state.finished
+        task.cancel()
+    await redis.aclose()

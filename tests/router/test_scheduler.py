@@ -167,6 +167,13 @@ def test_prefix_routing_properties(workers: list[WorkerLoad]) -> None:
         ([("r1", c("a")), ("r2", c("b", cached=HOT, ready=False))], None),  # restarting
         ([("r1", c("a")), ("r2", c("b", cached=SHORT))], None),  # too little to wait for
         ([("r1", c("a", cached=HALF)), ("r2", c("b", cached=HOT))], "r2"),  # the longest
+        # a pull worker claims its own jobs: the job is held for it, by its consumer name
+        ([("r1", c("a")), ("worker-p", c("p", cached=HOT))], "worker-p"),
+        ([("worker-p", c("p", cached=HALF)), ("worker-q", c("q", cached=HOT))], "worker-q"),
+        ([("r1", c("a", running=2, cached=HOT)), ("worker-p", c("p", cached=HOT))], "worker-p"),
+        ([("r1", c("a", cached=HOT)), ("worker-p", c("p", running=2, cached=HOT))], "r1"),
+        ([("r1", c("a")), ("worker-p", c("p", running=4, cached=HOT))], None),  # full
+        ([("r1", c("a")), ("worker-p", c("p", cached=SHORT))], None),  # too little
     ],
 )
 def test_hold_for_table(owned: list[tuple[str, WorkerLoad]], expected: str | None) -> None:
@@ -179,7 +186,7 @@ def test_no_prefix_is_never_held() -> None:
 
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["r1", "r2", "r3"]), cached_loads),
+        st.tuples(st.sampled_from(["r1", "r2", "r3", "worker-p", "worker-q"]), cached_loads),
         max_size=6,
         unique_by=lambda x: x[1].id,
     )

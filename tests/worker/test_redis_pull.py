@@ -33,7 +33,7 @@ from shoal.worker.hardware import detect_profile
 from shoal.worker.main import run_worker
 from shoal.worker.plan import needs_router_default, plan
 from shoal.worker.redis_presence import CONNECTION, PULL_HOLDER
-from shoal.worker.redis_pull import PullState, plan_claim, redis_address
+from shoal.worker.redis_pull import PullState, consumer_name, plan_claim, redis_address
 from shoal.worker.settings import WorkerSettings
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -258,6 +258,8 @@ async def test_listed_in_the_worker_list_while_running(
         assert remote.summary["connection"] == CONNECTION
         assert remote.summary["slots"] == 1 and remote.summary["name"] == "listed"
         assert remote.summary["hardware"]["cpu_count"] > 0
+        # A job is held for it by the name it claims under (``queue/redis_claim.py``).
+        assert remote.claimer == consumer_name(worker_id)
     assert not await redis_client.exists(key)
     assert not await redis_client.sismember(index, worker_id)
 

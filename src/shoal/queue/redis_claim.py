@@ -1,16 +1,17 @@
-"""Claiming jobs from the Redis queue (``TAKE``), with holds for the router whose worker
+"""Claiming jobs from the Redis queue (``TAKE``), with holds for the consumer whose worker
 holds a job's prefix.
 
 With several routers on one Redis, the router a request reached knows (from the worker
-directory) which router's worker already holds the request's prefix in its llama-server
-(``router.dispatch.scheduler.hold_for``). It enqueues the job held for that router (the job
-hash's ``for``, a consumer name, and ``until``, Redis time in ms: ``ENQUEUE`` in
-``redis_scripts``). ``TAKE`` passes over a job held for another consumer until its hold
-ends, and takes the next one, so a job waits only a short, bounded time for the router that
-can answer it from cache, and never waits behind another router's claim loop: the router it
-is held for takes it as soon as it has a free slot (it is woken by the job's arrival, as
-every claimer is), and when the hold ends any router takes it (a claimer that passed over a
-hold blocks no longer than the hold has left). A job put back in its queue loses its hold.
+directory) which worker already holds the request's prefix in its llama-server
+(``router.dispatch.scheduler.hold_for``). It enqueues the job held for the consumer that
+claims that worker's jobs: its router, or a pull worker itself (the job hash's ``for``, a
+consumer name, and ``until``, Redis time in ms: ``ENQUEUE`` in ``redis_scripts``). ``TAKE``
+passes over a job held for another consumer until its hold ends, and takes the next one, so
+a job waits only a short, bounded time for the consumer that can answer it from cache, and
+never waits behind another's claim loop: the consumer it is held for takes it as soon as it
+has a free slot (it is woken by the job's arrival, as every claimer is), and when the hold
+ends anyone takes it (a claimer that passed over a hold blocks no longer than the hold has
+left). A job put back in its queue loses its hold.
 """
 
 from __future__ import annotations

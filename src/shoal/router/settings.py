@@ -68,8 +68,8 @@ class RouterSettings(CommonSettings):
         0.5,
         ge=0,
         description="With --redis-url and prefix routing: seconds a request waits in Redis for "
-        "the router whose worker holds its prompt's prefix (and has a free slot) before any "
-        "router takes it; 0: any router takes it at once.",
+        "the router whose worker (or the pull worker that) holds its prompt's prefix (and has a "
+        "free slot) before anyone takes it; 0: anyone takes it at once.",
     )
     max_requeues: int = Field(
         2, ge=0, description="Times a job is handed to another worker when its worker is lost."

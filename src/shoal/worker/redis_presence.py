@@ -5,8 +5,14 @@ Routers on one Redis share their workers through one hash per worker
 JSON ``/api/v1/workers`` shows), with a TTL, its id in the ``worker_index_key`` set (see
 ``shoal.router.dispatch.directory``). A pull worker has no router: it writes its own hash, with
 ``router`` = ``PULL_HOLDER`` and ``"connection": "redis-pull"`` in the summary, every
-``interval_s`` and at once after ``changed()``, with a TTL of three intervals (a worker that
-dies drops out of the list), and deletes it when it stops.
+``interval_s``, at once after ``changed()`` (state, models), and after ``soon()`` (a job
+started or ended, its slots hold something new) at most every ``PUSH_GAP_S``, as routers push
+their workers' (``directory.PUSH_GAP_S``); with a TTL of three intervals (a worker that dies
+drops out of the list); it deletes it when it stops.
+
+Its summary names the consumer it claims jobs under (``"consumer"``): a router whose
+request's prefix this worker's slots hold holds the job for that name in Redis
+(``router.dispatch.scheduler.hold_for``, ``queue/redis_claim.py``), as it does for a router.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import orjson
@@ -30,6 +37,9 @@ PULL_HOLDER = "pull"
 which always starts with ``router-``)."""
 CONNECTION = "redis-pull"
 INTERVAL_S = 5.0
+PUSH_GAP_S = 0.2
+"""The least time between two writes brought on by ``soon()``: what the slots hold and how
+busy they are reach the routers promptly, bounded in rate (the routers' own bound)."""
 REMOVE_TIMEOUT_S = 2.0
 """How long a stopping worker tries to delete its entry (else it expires with its TTL)."""
 
@@ -44,9 +54,11 @@ def summary(
     ram_available_bytes: int,
     gpu_free_bytes: tuple[int | None, ...],
     connected_at: float,
+    consumer: str,
     cached_blocks: tuple[int, ...] = (),
 ) -> Summary:
-    """The entry's summary: the fields a router writes for its own workers."""
+    """The entry's summary: the fields a router writes for its own workers, and ``consumer``,
+    this worker's name in the queue's consumer group (what a job is held for)."""
     return {
         "id": reg.worker_id,
         "name": reg.name,
@@ -65,6 +77,7 @@ def summary(
         "connected_at": connected_at,
         "last_seen_s_ago": 0.0,  # written just now; the TTL drops an entry gone stale
         "cached_blocks": list(cached_blocks),
+        "consumer": consumer,
     }
 
 
@@ -91,16 +104,24 @@ class Presence:
         self._interval_s = interval_s
         self._ttl_ms = int(interval_s * 3000)
         self._changed = asyncio.Event()
+        self._now = False  # changed() since the last write, not only soon()
         self._outage = outage or OutageLog()
 
     def changed(self) -> None:
         """State or models changed: write now rather than at the next interval."""
+        self._now = True
+        self._changed.set()
+
+    def soon(self) -> None:
+        """A job started or ended, or the slots hold something new: write within
+        ``PUSH_GAP_S`` of the last write (several changes share one)."""
         self._changed.set()
 
     async def run(self) -> None:
         try:
             while True:
                 self._changed.clear()
+                self._now = False
                 try:
                     await self.write()
                     self._outage.succeeded()
@@ -108,9 +129,13 @@ class Presence:
                     self._outage.failed("worker list", exc)
                     self.listed = False
                 raise_if_cancelled()
+                written_at = time.monotonic()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self._interval_s):
                         await self._changed.wait()
+                gap = written_at + PUSH_GAP_S - time.monotonic()
+                if not self._now and gap > 0:
+                    await asyncio.sleep(gap)  # the rate bound of soon(): later ones join in
         finally:
             with contextlib.suppress(*REDIS_DOWN, TimeoutError):
                 async with asyncio.timeout(REMOVE_TIMEOUT_S):

@@ -20,6 +20,11 @@ worker to run. A periodic ``sweep`` puts back the jobs of holders that died (a k
 worker, a dead router). Publishing, renewals, cancellations and sweeps are
 ``queue.redis_consumer.ConsumerLoops``, shared with the router's ``Holder``.
 
+Its entry in the worker list (``redis_presence``) names its consumer and what its slots hold,
+so a router whose request's prefix this worker holds (with a slot free) holds the job for it
+in Redis (``queue/redis_claim.py``): this worker's claim takes it at once (woken by its
+arrival), every other claimer passes it over until the hold ends.
+
 During a Redis outage the jobs held keep running; a publish that still fails after the
 queue's ``outage_s`` stops its job here (the sweep recovers it once Redis is back).
 """
@@ -220,7 +225,7 @@ class RedisPuller:
 
     def on_cache(self, blocks: tuple[int, ...]) -> None:
         self.cached_blocks = blocks
-        self.presence.changed()
+        self.presence.soon()
 
     async def describe(self) -> Summary:
         """This worker's entry in the cluster's worker list."""
@@ -232,6 +237,7 @@ class RedisPuller:
             ram_available_bytes=ram,
             gpu_free_bytes=gpus,
             connected_at=self.connected_at,
+            consumer=self.queue.consumer,
             cached_blocks=self.cached_blocks,
         )
 
@@ -309,6 +315,7 @@ class RedisPuller:
             self._send(GiveBack(claimed, f"worker {self.worker_id} cannot run jobs now"))
             return False
         self._send((claimed, events.Assigned(self.queue.consumer, claimed.attempt, self.worker_id)))
+        self.presence.soon()  # one slot fewer free: routers hold no job for a full worker
         log.info(
             "job %s model=%s (attempt %d) runs on pull worker %s (%d/%d slots)",
             qjob.id,
@@ -324,6 +331,7 @@ class RedisPuller:
         held = self._held.pop(job_id, None)
         if held is not None:
             self._wake.set()
+            self.presence.soon()
         return held
 
     # ------------------------------------------------------------ the runner's sink

@@ -5,14 +5,17 @@ Each router writes a hash per worker connected to it (``redis_keys.worker_key``:
 it), with a TTL it refreshes every sync, and deletes it when the worker disconnects; a
 router that dies leaves hashes that expire. Each sync also reads every worker hash (through
 the ``worker_index_key`` set, never ``SCAN``), so ``remote`` is the other routers' workers
-as of the last sync. A sync runs every ``interval_s``, at once after ``changed()`` (a
-worker joined or left here), and after ``soon()`` (a job started or ended here, or a
-worker's slots hold something new) at most every ``PUSH_GAP_S``: what a worker holds and how
-busy it is reach the other routers promptly, bounded in rate. They read it at their own
-next sync (their interval, or a change of theirs).
+as of the last sync (pull workers' entries too). A sync runs every ``interval_s``, at once
+after ``changed()`` (a worker joined or left here), and after ``soon()`` (a job started or
+ended here, a job this router sent ended anywhere, or a worker's slots hold something new)
+at most every ``PUSH_GAP_S``: what a worker holds and how busy it is reach the other routers
+promptly, bounded in rate. They read it at their own next sync (their interval, or a change
+of theirs).
 
-``hold_for`` is which router should run a job with a given prefix
-(``scheduler.hold_for`` over this router's workers and every other router's).
+``hold_for`` is who should claim a job with a given prefix (``scheduler.hold_for`` over this
+router's workers and every other one listed): the router holding the worker, or a pull worker
+itself, each by its name in the queue's consumer group (``RemoteWorker.claimer``), which is
+what the claim script compares a job's hold with.
 """
 
 from __future__ import annotations
@@ -70,6 +73,16 @@ class RemoteWorker:
     def pulls(self) -> bool:
         """A pull worker: it claims its jobs from Redis itself (no router holds it)."""
         return self.summary.get("connection") == "redis-pull"
+
+    @property
+    def claimer(self) -> str | None:
+        """Who claims its jobs from Redis, by its consumer name (what a job is held for): the
+        router holding it, or a pull worker itself (the ``consumer`` its entry names; None if
+        the entry names none)."""
+        if not self.pulls:
+            return self.router
+        consumer = self.summary.get("consumer")
+        return consumer if isinstance(consumer, str) and consumer else None
 
     def load(self) -> WorkerLoad:
         """What the scheduler knows of it, as of its router's last sync."""
@@ -142,11 +155,11 @@ class WorkerDirectory:
         self._changed.set()
 
     def hold_for(self, model: ModelName, endpoint: Endpoint, prefix: tuple[int, ...]) -> str | None:
-        """The router whose worker should run a job with ``prefix`` (``scheduler.hold_for``),
-        over this router's workers as they are and the others' as of the last sync (a pull
-        worker has no router to wait for: it is left out)."""
+        """The consumer (a router, or a pull worker) whose worker should run a job with
+        ``prefix`` (``scheduler.hold_for``), over this router's workers as they are and the
+        others as of the last sync (``RemoteWorker.claimer``)."""
         owned = [(self.router, w.load()) for w in self._registry]
-        owned += [(r.router, r.load()) for r in self.remote if not r.pulls]
+        owned += [(c, r.load()) for r in self.remote if (c := r.claimer) is not None]
         return hold_for(owned, model, endpoint, prefix)
 
     async def run(self) -> None:

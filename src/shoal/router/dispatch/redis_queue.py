@@ -332,24 +332,25 @@ class RedisDispatcher:
         return True
 
     def _hold(self, job: Job) -> tuple[str, int] | None:
-        """For whom the job waits in Redis, and how long (ms): the router whose worker holds
-        its prefix with a slot free (``directory.hold_for``), for ``--prefix-hold``."""
+        """For whom the job waits in Redis, and how long (ms): the consumer (a router, or a
+        pull worker) whose worker holds its prefix with a slot free (``directory.hold_for``),
+        for ``--prefix-hold``."""
         hold_ms = int(self.settings.prefix_hold * 1000)
         if self.settings.routing != "prefix" or hold_ms <= 0 or job.endpoint not in PREFIXED:
             return None
         prefix = prefix_chain(job.model, job.body)
-        router = self.directory.hold_for(job.model, job.endpoint, prefix)
-        if router is None:
+        claimer = self.directory.hold_for(job.model, job.endpoint, prefix)
+        if claimer is None:
             return None
-        if router != self.name:
+        if claimer != self.name:
             log.info(
-                "job %s model=%s: held %d ms for router %s, whose worker holds its prefix",
+                "job %s model=%s: held %d ms for %s, where a worker holds its prefix",
                 job.id,
                 job.model,
                 hold_ms,
-                router,
+                claimer,
             )
-        return router, hold_ms
+        return claimer, hold_ms
 
     def _share(self, job: Job) -> Share:
         tenant = job.tenant
@@ -372,6 +373,11 @@ class RedisDispatcher:
                 self._output.requeued(job, reason)
             case _:
                 self._output.deliver(job, event, time.monotonic())
+                if events.is_final(event):
+                    # What the worker that ran it holds now (a pull worker's, or another
+                    # router's) is read within PUSH_GAP_S for the next hold_for, not only at
+                    # this router's next heartbeat sync.
+                    self.directory.soon()
 
     def _fail(self, job: Job, status: int, error: ErrorBody) -> None:
         self._output.deliver(job, events.Failed(status, error), time.monotonic())

@@ -91,7 +91,8 @@ def hold_for(
     prefix: tuple[int, ...],
 ) -> str | None:
     """With several routers on one Redis: the router whose worker should run a job with
-    ``prefix`` (``owned``: every worker the cluster lists, with the router holding it).
+    ``prefix`` (``owned``: every worker the cluster lists, with the consumer claiming its
+    jobs: the router holding it, or a pull worker itself).
 
     That is the owner of the worker ``pick_worker`` chooses among all of them, when that
     worker is expected to reuse at least ``MIN_HOLD_TOKENS``: the job waits for that router

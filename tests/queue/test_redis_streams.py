@@ -40,9 +40,10 @@ from shoal.queue.events import (
     Result,
     Trail,
 )
+from shoal.queue.redis_claimed import Claimed
 from shoal.queue.redis_consumer import coalesce
 from shoal.queue.redis_keys import GROUP, RedisKeys
-from shoal.queue.redis_streams import Claimed, RedisJobQueue
+from shoal.queue.redis_streams import RedisJobQueue
 from shoal.queue.redis_support import (
     JobGone,
     JobStatus,

@@ -29,8 +29,16 @@ answered) but never answers twice. Publishes are fenced: once a job was taken ov
 cancelled, its old holder's events are refused (``Lease.LOST`` / ``Lease.CANCELLED``).
 
 The ``redis`` client's ``socket_timeout`` must be longer than ``block_ms`` (redis-py's
-default of 5 s is, for the default 2 s). Key names: ``redis_keys``; scripts:
-``redis_scripts``, called through ``redis_calls``; take-overs: ``redis_recovery``; outages:
+default of 5 s is, for the default 2 s).
+
+This class is the one object the queue's callers hold; what is not the queue itself lives
+beside it. A claimed job and the steps its holder takes under the lease (``renew``,
+``publish``, ``ack``, ``requeue``, ``go_on``, ``adopt``): ``redis_claimed``, whose ``Leases``
+the methods of those names pass to; take-overs (``reclaim``, ``sweep``): ``redis_recovery``.
+Key names: ``redis_keys``. The Lua scripts, called by name through ``redis_calls``:
+``redis_scripts`` (the waiting side: ``ENQUEUE``, ``POSITIONS``, ``CANCEL``, ``SETTLE``,
+``COUNTS``, ``WAITING``), ``redis_claim`` (``TAKE``, with holds for the consumer whose worker
+has a job's prefix) and ``redis_leases`` (the holder's, fenced by the lease). Outages:
 ``redis_support``.
 """
 
@@ -39,7 +47,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -47,11 +54,11 @@ import redis.asyncio as aioredis
 from redis.typing import EncodableT
 
 from shoal.protocol.ids import JobId, ModelName
-from shoal.protocol.messages import Continuation, Endpoint, ErrorBody
+from shoal.protocol.messages import Continuation, Endpoint
 from shoal.queue import events, redis_scripts
-from shoal.queue.answer import AnswerSoFar, answer_of_trail
-from shoal.queue.events import Assigned, Delivered, Failed, Published, Requeued, Trail
+from shoal.queue.events import Delivered, Published
 from shoal.queue.redis_calls import QueueCalls
+from shoal.queue.redis_claimed import Claimed, Leases
 from shoal.queue.redis_keys import (
     CANCEL_SUFFIX,
     CANCELS_TTL_MS,
@@ -60,12 +67,8 @@ from shoal.queue.redis_keys import (
     RedisKeys,
     check_name,
 )
-from shoal.queue.redis_recovery import CONSUMER_IDLE_MS as CONSUMER_IDLE_MS  # re-exported
-from shoal.queue.redis_recovery import LOST_AFTER_START as LOST_AFTER_START  # re-exported
-from shoal.queue.redis_recovery import LOST_BEFORE_START as LOST_BEFORE_START  # re-exported
 from shoal.queue.redis_recovery import RECLAIM_BATCH, Recovery
 from shoal.queue.redis_support import (
-    LEASE_CODES,
     JobGone,
     JobStatus,
     KeyQueueFull,
@@ -88,58 +91,6 @@ BLOCK_MS = 2_000  # longest single blocking read (must stay under the socket tim
 OUTAGE_S = 10.0  # each call rides out a Redis outage this long before raising
 EVENTS_BATCH = 512  # output events read per XREAD
 BATCH_AGING_MS = 30_000  # router/dispatch/fair_queue.BATCH_AGING_S (a test checks they agree)
-
-_KINDS = {
-    events.Data: "d",
-    events.Result: "r",
-    events.Done: "x",
-    events.Failed: "f",
-    events.Assigned: "a",
-    events.Trail: "t",
-}
-
-ENDED_WITHOUT_ANSWER = Failed(
-    500,
-    ErrorBody(
-        message="The job ended without an answer. Retry the request.",
-        type="server_error",
-        code="no_answer",
-    ),
-)
-
-
-@dataclass(eq=False, slots=True)
-class Claimed:
-    """A job this consumer holds, with the lease on it."""
-
-    job: QueuedJob
-    entry_id: str
-    attempt: int  # 1 on the first run, more after a take-over or requeue
-    queue: RedisJobQueue = field(repr=False)
-    seq: int = 0  # the last event number published (events are numbered for idempotency)
-    resume: Continuation | None = None
-    """What the client has of the answer: go on from there (its worker was lost)."""
-    resumes: int = 0
-    """Times the answer went on elsewhere so far."""
-    answer: AnswerSoFar | None = None
-    """Adopted: what the client has of its answer, from the job's trail."""
-
-    async def renew(self) -> Lease:
-        return (await self.queue.renew([self]))[self.job.id]
-
-    def next_seq(self) -> int:
-        self.seq += 1
-        return self.seq
-
-
-def encode_resume(resume: Continuation, resumes: int) -> bytes:
-    """A job's continuation as its hash keeps it, with the number of resumes so far."""
-    return orjson.dumps({"resumes": resumes, "resume": resume.model_dump(mode="json")})
-
-
-def decode_resume(raw: str) -> tuple[Continuation, int]:
-    obj = orjson.loads(raw)
-    return Continuation.model_validate(obj["resume"]), int(obj["resumes"])
 
 
 class RedisJobQueue:
@@ -174,6 +125,7 @@ class RedisJobQueue:
         self.calls = QueueCalls(
             redis, self.keys, self.consumer, outage_s=outage_s, outage=self.outage
         )
+        self._leases = Leases(self.calls, self.consumer)
         self._recovery = Recovery(self.calls, self.keys, self.consumer, lease_ms, resume_attempts)
         self._counts = redis.register_script(redis_scripts.COUNTS)
         self._waiting = redis.register_script(redis_scripts.WAITING)
@@ -362,7 +314,7 @@ class RedisJobQueue:
             if taken or left_ms <= 0 or not await self._wait_wake(queues, cursors, left_ms):
                 break
         raise_if_cancelled()  # jobs taken here are recovered after the lease, as documented
-        return [self._claimed(row) for row in taken]
+        return [self._leases.claimed(row) for row in taken]
 
     async def _take(
         self, queues: Sequence[QueueKeys], count: int
@@ -381,40 +333,11 @@ class RedisJobQueue:
         )
         return bool(reply)
 
-    def _claimed(self, row: Sequence[Any]) -> Claimed:
-        job_id, _, entry_id, attempt, model, endpoint, stream, body, seq, resume = row
-        job = QueuedJob(
-            id=JobId(text(job_id)),
-            model=ModelName(text(model)),
-            endpoint=Endpoint(text(endpoint)),
-            stream=text(stream) == "1",
-            body=orjson.loads(body),
-        )
-        claimed = Claimed(job, text(entry_id), int(attempt), self, seq=int(text(seq)))
-        if text(resume):
-            claimed.resume, claimed.resumes = decode_resume(text(resume))
-        log.info(
-            "job %s model=%s claimed by %s (attempt %d)",
-            job.id,
-            job.model,
-            self.consumer,
-            claimed.attempt,
-        )
-        return claimed
+    # the holder's steps under the lease: ``Leases`` (``redis_claimed``) takes them
 
     async def renew(self, claims: Sequence[Claimed]) -> dict[JobId, Lease]:
         """Extend the leases on jobs this consumer holds, in one round trip."""
-        if not claims:
-            return {}
-        args: list[EncodableT] = []
-        for c in claims:
-            args += [c.job.id, c.entry_id]
-        codes = await self.calls.run("RENEW", [], args)
-        leases = {c.job.id: LEASE_CODES[int(code)] for c, code in zip(claims, codes, strict=True)}
-        for job_id, lease in leases.items():
-            if lease is not Lease.HELD:
-                log.warning("job %s: %s lost its lease (%s)", job_id, self.consumer, lease.name)
-        return leases
+        return await self._leases.renew(claims)
 
     async def publish(self, claimed: Claimed, event: Published) -> Lease:
         """Append one event; LOST or CANCELLED means stop working on the job."""
@@ -430,30 +353,14 @@ class RedisJobQueue:
         have been written (it already rode out ``outage_s`` of outage, resending the same
         events).
         """
-        if not items:
-            return {}
-        args: list[EncodableT] = []
-        for claimed, event in items:
-            seq = claimed.seq if isinstance(event, Assigned | Trail) else claimed.next_seq()
-            args += [claimed.job.id, seq, _KINDS[type(event)]]
-            args.append(events.encode(event))
-        codes = await self.calls.run("PUBLISH", [], args)
-        leases: dict[JobId, Lease] = {}
-        for (claimed, _), code in zip(items, codes, strict=True):
-            lease = LEASE_CODES[int(code)]
-            if leases.get(claimed.job.id, Lease.HELD) is Lease.HELD:
-                leases[claimed.job.id] = lease
-        return leases
+        return await self._leases.publish_many(items)
 
     async def ack(self, claimed: Claimed) -> bool:
         """Done with the job. A job still running gets a 500 ``Failed`` (it had no answer).
 
         False if this consumer no longer held it (someone else acks it).
         """
-        args: list[EncodableT] = [events.encode(ENDED_WITHOUT_ANSWER)]
-        args += [claimed.job.id, claimed.entry_id]
-        (code,) = await self.calls.run("ACK", [], args)
-        return bool(code == 1)
+        return await self._leases.ack(claimed)
 
     async def requeue(self, claimed: Claimed, reason: str) -> bool:
         """Give a held job back to its queue (first in its class) for another consumer to run.
@@ -461,28 +368,12 @@ class RedisJobQueue:
         False if it had already published output (publish ``Failed`` instead) or is no
         longer this consumer's.
         """
-        args: list[EncodableT] = [claimed.job.id, claimed.entry_id]
-        args.append(events.encode(Requeued(reason)))
-        code = int(await self.calls.run("GIVE_BACK", [], args))
-        log.info("job %s requeued by %s: %s (code %d)", claimed.job.id, self.consumer, reason, code)
-        return code == 1
+        return await self._leases.requeue(claimed, reason)
 
     async def go_on(self, claimed: Claimed, reason: str, resume: Continuation) -> bool:
         """Give back a held job that answered in part, to go on from ``resume`` on the next
         holder (first in its class). False if it is no longer this consumer's."""
-        args: list[EncodableT] = [claimed.job.id, claimed.entry_id]
-        args.append(events.encode(Requeued(reason)))
-        args.append(encode_resume(resume, claimed.resumes + 1))
-        code = int(await self.calls.run("GO_ON", [], args))
-        log.info(
-            "job %s put back by %s to go on after %d tokens: %s (code %d)",
-            claimed.job.id,
-            self.consumer,
-            len(resume.tokens),
-            reason,
-            code,
-        )
-        return code == 1
+        return await self._leases.go_on(claimed, reason, resume)
 
     async def adopt(self, job_id: JobId, attempt: int) -> Claimed | None:
         """Take over a running job whose worker now answers through this consumer.
@@ -492,12 +383,7 @@ class RedisJobQueue:
         events published so far); the previous holder is fenced off. None if the job is no
         longer running, or is running as another ``attempt`` (it was run again elsewhere).
         """
-        row = await self.calls.run("ADOPT", [], [job_id, attempt])
-        if row is None:
-            return None
-        claimed = self._claimed(row[:10])
-        claimed.answer = answer_of_trail(*(text(v) for v in row[10:13]))
-        return claimed
+        return await self._leases.adopt(job_id, attempt)
 
     async def cancellations(self, *, block_ms: int | None = None) -> AsyncIterator[JobId]:
         """Ids of jobs this consumer holds that were cancelled, as they come (``BLPOP``)."""
@@ -529,7 +415,7 @@ class RedisJobQueue:
         """
         queues = [self.keys.queue(model, endpoint) for model, endpoint in dict.fromkeys(keys)]
         rows = await self._recovery.take_over(queues, count, min_idle_ms)
-        return [self._claimed(row) for row in rows]
+        return [self._leases.claimed(row) for row in rows]
 
     async def sweep(self, min_idle_ms: int | None = None) -> Sweep:
         """Recover every queue under the prefix without running anything.

@@ -57,8 +57,9 @@ from shoal.protocol.messages import (
 )
 from shoal.queue import events
 from shoal.queue.answer import AnswerSoFar, trail_of
+from shoal.queue.redis_claimed import Claimed
 from shoal.queue.redis_consumer import ConsumerLoops, GiveBack, Outgoing
-from shoal.queue.redis_streams import LEASE_MS, Claimed, RedisJobQueue
+from shoal.queue.redis_streams import LEASE_MS, RedisJobQueue
 from shoal.queue.redis_support import REDIS_DOWN, RETRY_MAX_DELAY_S, raise_if_cancelled
 from shoal.worker.backoff import Backoff
 from shoal.worker.hardware import MemoryProbe

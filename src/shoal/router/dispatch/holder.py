@@ -37,8 +37,9 @@ from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import Continuation, Endpoint, JobCancel, JobResume, RunningJob
 from shoal.queue.answer import AnswerSoFar, trail_of
 from shoal.queue.events import Assigned, OutputEvent
+from shoal.queue.redis_claimed import Claimed
 from shoal.queue.redis_consumer import ConsumerLoops, GiveBack
-from shoal.queue.redis_streams import Claimed, RedisJobQueue
+from shoal.queue.redis_streams import RedisJobQueue
 from shoal.queue.redis_support import REDIS_DOWN, raise_if_cancelled
 from shoal.router.dispatch.job import Job
 from shoal.router.dispatch.running import Running

@@ -191,6 +191,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--seed", type=int, default=15)
+    parser.add_argument(
+        "--modes", nargs="+", choices=MODES, default=list(MODES), help="default: both"
+    )
     args = parser.parse_args()
     if args.tenants is None:
         args.tenants = args.workers * args.slots
@@ -204,7 +207,7 @@ def main() -> None:
     logs = Path(__file__).parent / "results" / "logs" / "prefix_routing"
     runs: dict[tuple[str, int], Run] = {}
     for concurrency in args.concurrency:
-        for mode in MODES:
+        for mode in args.modes:
             with processes(logs) as procs:
                 port = free_port()
                 router = f"http://127.0.0.1:{port}"
@@ -282,7 +285,7 @@ def report(args: argparse.Namespace, runs: dict[tuple[str, int], Run]) -> None:
                 f"{run.load[0]:.1f}-{run.load[1]:.1f}",
             ]
         )
-    for c in args.concurrency:
+    for c in args.concurrency if len(args.modes) == len(MODES) else ():
         pre, ll = results[f"prefix/c{c}"], results[f"least-loaded/c{c}"]
         assert isinstance(pre, dict) and isinstance(ll, dict)
         results[f"c{c}"] = {

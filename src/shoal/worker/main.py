@@ -188,13 +188,16 @@ class _Serving:
         tg: asyncio.TaskGroup,
         runner: JobRunner,
         session: aiohttp.ClientSession,
+        calls: aiohttp.ClientSession,
     ) -> None:
+        """``session`` carries the jobs; ``calls``, the short calls that pin each job to a
+        slot (``_calls_session``)."""
         supervisor: LlamaServer | AttachedServer
         pinning: SlotPinning | None = None
         if the_plan.llama is not None:
             supervisor = LlamaServer(the_plan.llama, self.on_state)
             self.slots = SlotTable(the_plan.llama.slots, self.cache_changed)
-            pinning = self.pinning = SlotPinning(self.slots, session, lambda: supervisor.url)
+            pinning = self.pinning = SlotPinning(self.slots, calls, lambda: supervisor.url)
             tg.create_task(pinning.run_measure())
         else:
             assert self.settings.backend_url is not None
@@ -212,12 +215,13 @@ class _Serving:
         tg: asyncio.TaskGroup,
         runner: JobRunner,
         session: aiohttp.ClientSession,
+        calls: aiohttp.ClientSession,
     ) -> None:
         """Serve the model the router names in its first ``registered`` reply."""
         model = await link.default_model or DEFAULT_MODEL.id
         log.info("no --model given: serving the router's default model %s", model)
         the_plan = await asyncio.to_thread(plan, self.settings, self.path_env, self.machine, model)
-        await self.start(the_plan, tg, runner, session)
+        await self.start(the_plan, tg, runner, session, calls)
 
 
 def _registration(
@@ -292,7 +296,7 @@ async def run_worker(
     image_plans = await asyncio.to_thread(plan_images, settings)
     text = the_plan is not None or needs_router_default(settings)
     routers = _routers(settings)
-    async with _backend_session() as session:
+    async with _backend_session() as session, _calls_session() as calls:
         split = await _split_models(settings, machine, path_env)
         if isinstance(split, str):
             shards: ShardFactory | str = split
@@ -336,9 +340,9 @@ async def run_worker(
             if serving.images is not None:
                 tg.create_task(serving.images.run())
             if the_plan is not None:
-                await serving.start(the_plan, tg, runner, session)
+                await serving.start(the_plan, tg, runner, session, calls)
             elif text:
-                tg.create_task(serving.adopt_default(link, tg, runner, session))
+                tg.create_task(serving.adopt_default(link, tg, runner, session, calls))
             else:
                 tg.create_task(runner.run())  # image models only
             await link.run()
@@ -433,6 +437,15 @@ def _backend_session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=connector, timeout=BACKEND_TIMEOUT)
 
 
+def _calls_session() -> aiohttp.ClientSession:
+    """A pool of its own for the two loopback calls that pin each job to a slot
+    (``pinning.py``): llama-server closes a connection after a streamed answer, so in the
+    jobs' pool the next call often found a closed connection (a new one to open, or a failed
+    call and a job pinned to no known slot); short answers keep these connections open."""
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=BACKEND_KEEPALIVE_S)
+    return aiohttp.ClientSession(connector=connector, timeout=BACKEND_TIMEOUT)
+
+
 async def _pull(
     settings: WorkerSettings,
     serving: _Serving,
@@ -462,9 +475,13 @@ async def _pull(
         settings.redis_prefix,
     )
     try:
-        async with _backend_session() as session, asyncio.TaskGroup() as tg:
+        async with (
+            _backend_session() as session,
+            _calls_session() as calls,
+            asyncio.TaskGroup() as tg,
+        ):
             # The runner task is created first, so it is open when the puller first claims.
-            await serving.start(the_plan, tg, puller.runner, session)
+            await serving.start(the_plan, tg, puller.runner, session, calls)
             await puller.run()
     finally:
         await client.aclose()

@@ -6,8 +6,11 @@ parser the chat endpoint runs, tools and template arguments included), then
 ``POST /tokenize`` with the special-token flags the completion endpoints use
 (``add_special`` and ``parse_special`` true, tools/server/server-context.cpp). Two loopback
 calls per job, handled on llama-server's HTTP threads (not its slot loop), so they do not wait
-behind running generations. When they fail (a body llama-server will reject anyway) the job
-still takes a slot, holding nothing known.
+behind running generations; they go through a connection pool of their own
+(``main._calls_session``), whose connections llama-server keeps open (it closes one after
+each streamed answer: in the jobs' pool the calls kept finding closed connections). When
+they fail (a body llama-server will reject anyway) the job still takes a slot, holding
+nothing known.
 
 Each time llama-server becomes ready, ``run_measure`` computes one short prompt
 (``MEASURE_PROMPT``, about 128 tokens, not cached) on a slot it takes like a job and sets the
@@ -145,9 +148,21 @@ class SlotPinning:
     async def _post(
         self, path: str, body: object, timeout: aiohttp.ClientTimeout = TOKENIZE_TIMEOUT
     ) -> dict[str, object]:
+        """POST ``body`` to ``path``; once more on a fresh connection when the pooled one
+        had been closed by llama-server (as it does after a restart): nothing reached it."""
+        data = orjson.dumps(body)
+        try:
+            return await self._post_once(path, data, timeout)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            log.debug("%s: stale connection (%r), posting again", path, exc)
+            return await self._post_once(path, data, timeout)
+
+    async def _post_once(
+        self, path: str, data: bytes, timeout: aiohttp.ClientTimeout
+    ) -> dict[str, object]:
         async with self._session.post(
             self._base_url() + path,
-            data=orjson.dumps(body),
+            data=data,
             headers={"Content-Type": "application/json"},
             timeout=timeout,
         ) as resp:

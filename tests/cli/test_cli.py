@@ -99,6 +99,38 @@ def test_an_option_that_conflicts_with_another_names_both_flags() -> None:
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "env", "expected"),
+    [
+        (["--prefix-hold", "-1"], {}, "invalid option: prefix_hold: Input should be greater"),
+        (["--prefix-hold", "soon"], {}, "invalid option: prefix_hold: Input should be a valid"),
+        (
+            ["--redis-url", "redis://127.0.0.1:6379/0"],
+            {"SHOAL_PREFIX_HOLD": "100"},
+            "--prefix-hold (100 s) must be below --max-wait (60 s)",
+        ),
+        (
+            ["--redis-url", "redis://127.0.0.1:6379/0", "--prefix-hold", "5", "--max-wait", "5"],
+            {},
+            "--prefix-hold (5 s) must be below",
+        ),
+    ],
+)
+def test_a_prefix_hold_out_of_range_is_refused_with_what_to_do(
+    args: list[str], env: dict[str, str], expected: str
+) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "shoal", "router", *args],
+        capture_output=True,
+        text=True,
+        env=clean_env(**env),
+        timeout=30,
+    )
+    assert r.returncode == 2
+    assert expected in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_worker_install_dry_run_and_uninstall_errors(capsys: pytest.CaptureFixture[str]) -> None:
     from shoal.cli.main import main
 

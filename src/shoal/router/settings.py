@@ -69,7 +69,7 @@ class RouterSettings(CommonSettings):
         ge=0,
         description="With --redis-url and prefix routing: seconds a request waits in Redis for "
         "the router whose worker (or the pull worker that) holds its prompt's prefix (and has a "
-        "free slot) before anyone takes it; 0: anyone takes it at once.",
+        "free slot) before anyone takes it; 0: anyone takes it at once. Below --max-wait.",
     )
     max_requeues: int = Field(
         2, ge=0, description="Times a job is handed to another worker when its worker is lost."
@@ -169,6 +169,18 @@ class RouterSettings(CommonSettings):
                 f"--stall-timeout ({self.stall_timeout:g} s) must be above "
                 f"--heartbeat-interval ({self.heartbeat_interval:g} s), or 0 to turn it off: "
                 "a live worker is silent for up to one heartbeat interval"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _hold_below_wait(self) -> Self:
+        holds = self.redis_url is not None and self.routing == "prefix"
+        if holds and 0 < self.max_wait <= self.prefix_hold:
+            raise ValueError(
+                f"--prefix-hold ({self.prefix_hold:g} s) must be below --max-wait "
+                f"({self.max_wait:g} s): a request held for a router longer than it may wait "
+                "would time out before anyone takes it (a hold is meant to last well under a "
+                "second)"
             )
         return self
 

@@ -1,11 +1,11 @@
 """Prefix routing: prompt tokens reused, TTFT and throughput, ``prefix`` against ``least-loaded``.
 
-Two workers of the default model (``--slots 4``, one thread each, their own llama-servers)
-behind one router, started afresh for every run so every cache starts empty. As many tenants
-as slots in total (8), each with its own system prompt of about 1,000 tokens; ``--requests``
-streamed chat requests in a random tenant order (the same order for both modes), each a
-short new question after the tenant's system prompt, at concurrency 1 and 4. Both routing
-modes in one run.
+``--workers`` workers of the default model (3 by default; ``--slots 4``, one thread each, their
+own llama-servers) behind one router, started afresh for every run so every cache starts
+empty. As many tenants as slots in total (12), each with its own system prompt of about 1,000
+tokens; ``--requests`` (48) streamed chat requests in a random tenant order (the same order for
+both modes), each a short new question after the tenant's system prompt, at concurrency 1 and
+4. Both routing modes in one run.
 
 Reported per mode and concurrency: the fraction of prompt tokens llama-server reused from
 its cache (``usage.prompt_tokens_details.cached_tokens``) against the ideal (every tenant's
@@ -13,6 +13,15 @@ prefix computed once: each request after a tenant's first reuses that prefix, it
 taken as the most any request of the tenant reused), TTFT p50/p90 and completion tokens/s.
 
     python benchmarks/prefix_routing.py
+    python benchmarks/prefix_routing.py --workers 2      # 8 tenants
+
+Why 3 workers by default: least-loaded routing sends a tenant to any worker, so every worker
+sees every tenant, and its 4 slots hold the prompts of only 4 of the ``workers x 4`` tenants:
+in the long run a request finds its prompt cached about half the time with 2 workers, a third
+of the time with 3. With 2, whether least-loaded's median request is a hit or a miss is chance
+(and decides the TTFT ratio at concurrency 1); with 3 most of its requests miss, as they do
+whenever tenants outnumber one worker's slots. Each tenant's first request misses in both
+modes, so ``--requests`` should be several times ``--tenants``.
 
 Targets (issue 15): reused >= 0.9 of the ideal with prefix; TTFT p50 at least 2x lower than
 least-loaded; throughput not lower. The machine's load average is recorded with the figures.
@@ -184,11 +193,11 @@ def main() -> None:
     parser.add_argument(
         "--tenants", type=int, default=None, help="default: as many as slots in total"
     )
-    parser.add_argument("--requests", type=int, default=24, help="per mode and concurrency")
+    parser.add_argument("--requests", type=int, default=48, help="per mode and concurrency")
     parser.add_argument("--words", type=int, default=960, help="system prompt words (~1k tokens)")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--slots", type=int, default=4)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--seed", type=int, default=15)
     parser.add_argument(

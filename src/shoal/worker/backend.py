@@ -28,6 +28,7 @@ from shoal.protocol.messages import (
     JobResult,
     JobStart,
 )
+from shoal.worker import loopback
 from shoal.worker.continuation import (
     NotResumable,
     Splice,
@@ -188,14 +189,7 @@ class Backend:
         return data
 
     async def _post(self, url: str, body: bytes) -> aiohttp.ClientResponse:
-        """POST ``body``; once more on a fresh connection when the pooled one it got had been
-        closed by the server (llama-server closes a connection after a streamed response,
-        and aiohttp may hand it out again before it notices): nothing reached the server."""
-        try:
-            return await self.session.post(url, data=body, headers=self.target.headers)
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            log.debug("backend %s: stale connection (%r), posting again", url, exc)
-            return await self.session.post(url, data=body, headers=self.target.headers)
+        return await loopback.post(self.session, url, body, self.target.headers)
 
     async def run(self, job: JobStart, out: JobSink) -> None:
         """Run ``job``; every outcome is reported through ``out``. Cancel to stop it."""

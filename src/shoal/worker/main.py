@@ -42,7 +42,7 @@ from shoal.protocol.messages import (
     ShardStart,
 )
 from shoal.units import GIB
-from shoal.worker import hardware
+from shoal.worker import hardware, loopback
 from shoal.worker.attached import AttachedServer
 from shoal.worker.backend import Backend, BackendTarget, discover_model
 from shoal.worker.image_plan import ImagePlan, plan_images, start_images
@@ -73,11 +73,6 @@ from shoal.worker.slots import SlotTable
 from shoal.worker.tunnels import TunnelEnds
 
 log = logging.getLogger(__name__)
-
-BACKEND_KEEPALIVE_S = 3.0
-"""Under llama-server's own 5 s idle limit, so we never write to a connection it is closing."""
-# Generous: the router's own request timeouts apply; a long answer must not be cut here.
-BACKEND_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=10.0, sock_connect=10.0)
 
 
 class Link(Protocol):
@@ -191,7 +186,7 @@ class _Serving:
         calls: aiohttp.ClientSession,
     ) -> None:
         """``session`` carries the jobs; ``calls``, the short calls that pin each job to a
-        slot (``_calls_session``)."""
+        slot (``loopback``: a pool of their own)."""
         supervisor: LlamaServer | AttachedServer
         pinning: SlotPinning | None = None
         if the_plan.llama is not None:
@@ -296,7 +291,7 @@ async def run_worker(
     image_plans = await asyncio.to_thread(plan_images, settings)
     text = the_plan is not None or needs_router_default(settings)
     routers = _routers(settings)
-    async with _backend_session() as session, _calls_session() as calls:
+    async with loopback.session() as session, loopback.session() as calls:
         split = await _split_models(settings, machine, path_env)
         if isinstance(split, str):
             shards: ShardFactory | str = split
@@ -432,20 +427,6 @@ def _rpc_cache(settings: WorkerSettings, build: str) -> RpcCache | None:
     return RpcCache(folder, int(settings.rpc_cache_max * GIB))
 
 
-def _backend_session() -> aiohttp.ClientSession:
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=BACKEND_KEEPALIVE_S)
-    return aiohttp.ClientSession(connector=connector, timeout=BACKEND_TIMEOUT)
-
-
-def _calls_session() -> aiohttp.ClientSession:
-    """A pool of its own for the two loopback calls that pin each job to a slot
-    (``pinning.py``): llama-server closes a connection after a streamed answer, so in the
-    jobs' pool the next call often found a closed connection (a new one to open, or a failed
-    call and a job pinned to no known slot); short answers keep these connections open."""
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=BACKEND_KEEPALIVE_S)
-    return aiohttp.ClientSession(connector=connector, timeout=BACKEND_TIMEOUT)
-
-
 async def _pull(
     settings: WorkerSettings,
     serving: _Serving,
@@ -476,8 +457,8 @@ async def _pull(
     )
     try:
         async with (
-            _backend_session() as session,
-            _calls_session() as calls,
+            loopback.session() as session,
+            loopback.session() as calls,
             asyncio.TaskGroup() as tg,
         ):
             # The runner task is created first, so it is open when the puller first claims.

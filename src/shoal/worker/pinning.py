@@ -7,7 +7,7 @@ parser the chat endpoint runs, tools and template arguments included), then
 (``add_special`` and ``parse_special`` true, tools/server/server-context.cpp). Two loopback
 calls per job, handled on llama-server's HTTP threads (not its slot loop), so they do not wait
 behind running generations; they go through a connection pool of their own
-(``main._calls_session``), whose connections llama-server keeps open (it closes one after
+(``loopback.session``), whose connections llama-server keeps open (it closes one after
 each streamed answer: in the jobs' pool the calls kept finding closed connections). When
 they fail (a body llama-server will reject anyway) the job still takes a slot, holding
 nothing known.
@@ -33,6 +33,7 @@ import orjson
 
 from shoal.protocol.messages import Endpoint, JobStart
 from shoal.protocol.prefix import prefix_chain
+from shoal.worker import loopback
 from shoal.worker.slots import SlotTable, token_chain
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ MEASURE_PROMPT = " ".join(
 MEASURE_TIMEOUT = aiohttp.ClientTimeout(total=60.0)
 """Computing ``MEASURE_PROMPT`` takes a second on a slow, loaded CPU; past this the guess
 stays."""
+JSON_HEADERS = {"Content-Type": "application/json"}
 TOKENIZE_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
 """Tokenizing a prompt takes milliseconds; past this llama-server is in trouble and the job
 runs with a slot holding nothing known."""
@@ -148,23 +150,10 @@ class SlotPinning:
     async def _post(
         self, path: str, body: object, timeout: aiohttp.ClientTimeout = TOKENIZE_TIMEOUT
     ) -> dict[str, object]:
-        """POST ``body`` to ``path``; once more on a fresh connection when the pooled one
-        had been closed by llama-server (as it does after a restart): nothing reached it."""
-        data = orjson.dumps(body)
-        try:
-            return await self._post_once(path, data, timeout)
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            log.debug("%s: stale connection (%r), posting again", path, exc)
-            return await self._post_once(path, data, timeout)
-
-    async def _post_once(
-        self, path: str, data: bytes, timeout: aiohttp.ClientTimeout
-    ) -> dict[str, object]:
-        async with self._session.post(
-            self._base_url() + path,
-            data=data,
-            headers={"Content-Type": "application/json"},
-            timeout=timeout,
+        """POST ``body`` to ``path`` (``loopback.post``); what it answered, {} unless 200."""
+        url = self._base_url() + path
+        async with await loopback.post(
+            self._session, url, orjson.dumps(body), JSON_HEADERS, timeout
         ) as resp:
             raw = await resp.read()
             if resp.status != 200:

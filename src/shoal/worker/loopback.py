@@ -1,0 +1,47 @@
+"""HTTP to the llama-server this worker runs (or attaches to): connection pools and a POST
+that survives a connection the server closed.
+
+llama-server closes a connection after each streamed answer, and aiohttp may hand such a
+connection out again before it notices. A POST that fails to go out on it reached nothing,
+so ``post`` sends it once more on a fresh connection. The worker keeps two pools
+(``session``): one for the jobs, one for the short calls that pin each job to a slot
+(``pinning.py``), so those calls find connections that short answers kept open instead of
+the ones streamed answers left closed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+KEEPALIVE_S = 3.0
+"""Under llama-server's own 5 s idle limit, so we never write to a connection it is closing."""
+TIMEOUT = aiohttp.ClientTimeout(total=None, connect=10.0, sock_connect=10.0)
+"""Generous: the router's own request timeouts apply; a long answer must not be cut here."""
+
+
+def session() -> aiohttp.ClientSession:
+    """A connection pool to the worker's llama-server."""
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+    return aiohttp.ClientSession(connector=connector, timeout=TIMEOUT)
+
+
+async def post(
+    client: aiohttp.ClientSession,
+    url: str,
+    data: bytes,
+    headers: Mapping[str, str] | None = None,
+    timeout: aiohttp.ClientTimeout | None = None,
+) -> aiohttp.ClientResponse:
+    """POST ``data``; once more on a fresh connection when the pooled one had been closed by
+    the server (nothing reached it). The caller reads and releases the response."""
+    timeout = timeout or client.timeout
+    try:
+        return await client.post(url, data=data, headers=headers, timeout=timeout)
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        log.debug("%s: stale connection (%r), posting again", url, exc)
+        return await client.post(url, data=data, headers=headers, timeout=timeout)

@@ -380,7 +380,8 @@ class Running(Generic[T]):
         assert isinstance(victim.ref, str)
         paused = self._cancel(JobId(victim.ref))
         assert paused is not None
-        resume = paused.answer.continuation(paused.job.endpoint, 0, 1)
+        # (a pause is not a loss: it counts against no --resume-attempts)
+        resume = paused.answer.continuation(paused.job.endpoint, resumes=0, resume_attempts=1)
         assert resume is not None  # ``RunningJob.resumable``
         paused.job.preemptions += 1
         log.info(

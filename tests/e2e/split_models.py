@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import httpx
 import psutil
 
@@ -41,8 +43,11 @@ def is_head(p: psutil.Process) -> bool:
 
 
 def rpc_servers(worker_pid: int) -> list[psutil.Process]:
-    return [
-        p
-        for p in psutil.Process(worker_pid).children(recursive=True)
-        if p.name() == "ggml-rpc-server"
-    ]
+    """The worker's ggml-rpc-server children (one that exits while being looked at, as a
+    stopping stage does, is not one)."""
+    found = []
+    for p in psutil.Process(worker_pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.name() == "ggml-rpc-server":
+                found.append(p)
+    return found

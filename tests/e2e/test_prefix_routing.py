@@ -140,6 +140,8 @@ def test_a_restarted_llama_server_holds_nothing(cluster: Cluster, make_client: C
     wait_until(lambda: by_id(router)[first]["state"] != "ready", 15, "the worker to notice")
     router.wait_workers(2)
     wait_until(lambda: not by_id(router)[first]["cached_blocks"], 15, "its holdings to clear")
+    # the new llama-server listens on a new port: the router lists that one (not the dead one's)
+    assert httpx.get(by_id(router)[first]["backend_url"] + "/health", timeout=5).status_code == 200
     # Were tenant-a's prompt still counted on `first`, it would go there; it goes by load.
     back, _ = ask(client, "tenant-a", "Hello again?", rules=short)
     assert back == other

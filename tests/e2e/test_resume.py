@@ -228,30 +228,49 @@ def tasks(backend_url: str) -> dict[int, int]:
     return {s["id_task"]: s["next_token"][0]["n_decoded"] for s in slots if s["is_processing"]}
 
 
-def live_backends(fleet: Fleet) -> dict[str, str]:
-    """Live workers by id, with their llama-server's address (asked of every router: a
-    router's list may lag, with Redis)."""
+def live_backends(fleet: Fleet) -> list[tuple[str, str]]:
+    """Live workers' ids, each with its llama-server's address as every router lists it (a
+    router's list of another router's workers may lag by a sync, with Redis)."""
     live = {worker for worker, p in fleet.procs.items() if p.alive() and p not in fleet.frozen}
-    backends = {w["id"]: w["backend_url"] for r in fleet.routers for w in r.workers()}
-    return {w: url for w, url in backends.items() if w in live}
+    listed = {(w["id"], w["backend_url"]) for r in fleet.routers for w in r.workers()}
+    return sorted((w, url) for w, url in listed if w in live)
 
 
 def running_tasks(fleet: Fleet) -> dict[str, set[int]]:
     """The tasks each live worker's llama-server is working on now."""
-    return {w: set(tasks(url)) for w, url in live_backends(fleet).items()}
+    running: dict[str, set[int]] = {}
+    for w, url in live_backends(fleet):
+        running.setdefault(w, set()).update(tasks(url))
+    return running
 
 
-def generating(fleet: Fleet, before: dict[str, set[int]]) -> tuple[str, str, int] | None:
+def generating(
+    fleet: Fleet, before: dict[str, set[int]], seen: list[str]
+) -> tuple[str, str, int] | None:
     """The worker generating the answer in flight, its llama-server and the task: one that
     has generated tokens and was not running ``before`` the answer was sent (a generation an
-    earlier test's fault left running, even on the same llama-server, is not this answer)."""
+    earlier test's fault left running, even on the same llama-server, is not this answer).
+    Each look is appended to ``seen`` (what a timeout reports)."""
+    now = [(w, url, tasks(url)) for w, url in live_backends(fleet)]
+    seen.append(f"{time.monotonic():.2f} " + repr([(w, url[-5:], t) for w, url, t in now]))
     new = [
         (w, url, task)
-        for w, url in live_backends(fleet).items()
-        for task, n in tasks(url).items()
+        for w, url, running in now
+        for task, n in running.items()
         if n > 0 and task not in before.get(w, set())
     ]
     return new[0] if len(new) == 1 else None
+
+
+def log_tails(fleet: Fleet, lines: int = 15) -> str:
+    """The last lines of every router's and worker's log (what a timeout reports)."""
+    procs = [r.proc for r in fleet.routers] + list(fleet.procs.values())
+    tails = []
+    for proc in procs:
+        text = proc.log_path.read_text(errors="replace") if proc.log_path.exists() else ""
+        tail = "\n".join(text.splitlines()[-lines:])
+        tails.append(f"--- {proc.name} ({proc.log_path.name})\n{tail}")
+    return "\n".join(tails)
 
 
 def test_a_killed_workers_non_streamed_answer_goes_on_and_comes_whole(fleet: Fleet) -> None:
@@ -270,9 +289,19 @@ def test_a_killed_workers_non_streamed_answer_goes_on_and_comes_whole(fleet: Fle
         reply = pool.submit(httpx.post, url, json=body, headers=headers, timeout=60)
         # The worker relays each id as llama-server streams it: by FAULT_AFTER tokens the
         # router has the first ones.
-        worker, backend, task = wait_until(
-            lambda: generating(fleet, earlier), 60, "the answer to start"
-        )
+        seen: list[str] = []
+        try:
+            worker, backend, task = wait_until(
+                lambda: generating(fleet, earlier, seen), 60, "the answer to start"
+            )
+        except AssertionError as exc:
+            looks = "\n".join(seen[:3] + ["..."] + seen[-10:])  # worker, port, tokens by task
+            got = reply.result() if reply.done() and not reply.exception() else reply
+            raise AssertionError(
+                f"{exc}\nbefore: {earlier}\nreply: {getattr(got, 'text', got)!r:.500}\n"
+                f"looks:\n{looks}\n"
+                f"{log_tails(fleet)}"
+            ) from None
         wait_until(lambda: tasks(backend).get(task, 0) >= FAULT_AFTER, 30, "tokens", every=0.01)
         fleet.procs[worker].signal(signal.SIGKILL)
         r = reply.result()

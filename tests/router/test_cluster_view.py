@@ -142,7 +142,7 @@ async def test_health_counts_the_workers_of_every_router(
     }
     connect(a.dispatcher, "wa")
     loading = connect(a.dispatcher, "wl")
-    loading.set_backend_state(BackendState.LOADING, "test")
+    loading.set_backend_state(BackendState.LOADING, "test", None)
     a.dispatcher.directory.changed()
     await until(lambda: len(b.dispatcher.remote_workers()) == 2, "B to list A's workers")
     for router in (a, b):

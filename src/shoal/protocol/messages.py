@@ -32,8 +32,9 @@ from shoal.protocol.shards import (
     TunnelDial,
 )
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Bumped on any incompatible change; a router refuses workers that speak another version.
+7: ``StateChanged.backend_url`` (a restarted llama-server listens on a new port).
 6: ``Continuation.logprobs`` (a non-streamed answer's earlier log-probabilities).
 5: chunks carry token ids (resuming answers); ``ShardStart`` names the stage's layers and the
 pinned file, ``ShardStatus`` reports its seeding; ``CacheChanged`` and ``Heartbeat.cached``
@@ -202,6 +203,8 @@ class StateChanged(Message):
     type: Literal["state"] = "state"
     state: BackendState
     detail: str = ""
+    backend_url: str | None = None
+    """``Register.backend_url``, now: a restarted llama-server listens on a new port."""
 
 
 class Chunk(Message):

@@ -130,7 +130,9 @@ class WorkerConnection:
         )
         self.conn_state = new
 
-    def set_backend_state(self, state: BackendState, detail: str) -> None:
+    def set_backend_state(self, state: BackendState, detail: str, backend_url: str | None) -> None:
+        """``backend_url``: where the backend serves now (a restarted llama-server listens on
+        a new port)."""
         if state is not self.backend_state:
             log.info(
                 "worker %s (%s): backend %s -> %s %s",
@@ -142,6 +144,7 @@ class WorkerConnection:
             )
         self.backend_state = state
         self.detail = detail
+        self.backend_url = backend_url
 
     def send(self, message: Message) -> None:
         """Queue a frame for this worker's writer; never blocks."""

@@ -246,7 +246,8 @@ class RouterLink:
     def on_backend_state(self, state: BackendState, detail: str) -> None:
         self.backend_state = state
         if self.state is LinkState.REGISTERED:
-            self.outbox.send(StateChanged(state=state, detail=detail))
+            url = self.register().backend_url  # a restarted llama-server has a new port
+            self.outbox.send(StateChanged(state=state, detail=detail, backend_url=url))
 
     def on_cache(self, blocks: tuple[int, ...]) -> None:
         self.cached_blocks = blocks

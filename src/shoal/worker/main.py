@@ -143,6 +143,11 @@ class _Serving:
         return self.supervisor.state if self.supervisor else BackendState.LOADING
 
     @property
+    def backend_url(self) -> str | None:
+        """Where the backend serves now (None: none of ours, or not started)."""
+        return (self.supervisor.url or None) if self.supervisor else None
+
+    @property
     def models(self) -> tuple[ModelInfo, ...]:
         text = (self.plan.model,) if self.plan else ()
         split = self.shards.models if self.shards else ()
@@ -237,7 +242,7 @@ def _registration(
             models=serving.models,
             slots=settings.slots if serving.plan or not serving.images else settings.image_slots,
             state=serving.state,
-            backend_url=(serving.supervisor.url or None) if serving.supervisor else None,
+            backend_url=serving.backend_url,
             software=f"shoal {__version__}",
             stage_memory_bytes=memory.stage_memory(),
             no_shards=serving.no_shards,

@@ -106,7 +106,7 @@ class WorkerSide:
                 self._cache_changed()
             case Heartbeat(state=state):
                 worker.on_heartbeat(msg)
-                self._on_state(worker, state, worker.detail)
+                self._on_state(worker, state, worker.detail, worker.backend_url)
             case CacheChanged(blocks=blocks):
                 worker.set_cached(blocks)
                 self._cache_changed()
@@ -114,15 +114,17 @@ class WorkerSide:
                 worker.set_models(models)
                 self._changed()
                 self._capacity()
-            case StateChanged(state=state, detail=detail):
-                self._on_state(worker, state, detail)
+            case StateChanged(state=state, detail=detail, backend_url=backend_url):
+                self._on_state(worker, state, detail, backend_url)
             case Register():
                 raise ValueError("register sent twice")
 
-    def _on_state(self, worker: WorkerConnection, state: BackendState, detail: str) -> None:
+    def _on_state(
+        self, worker: WorkerConnection, state: BackendState, detail: str, backend_url: str | None
+    ) -> None:
         was_available = worker.available
         changed = state is not worker.backend_state
-        worker.set_backend_state(state, detail)
+        worker.set_backend_state(state, detail, backend_url)
         if changed:
             self._changed()
         if worker.available and not was_available:

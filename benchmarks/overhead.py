@@ -5,7 +5,7 @@ One real llama-server (the default model, 4 slots) serves both paths. With ``--b
 job goes through the per-job features users get: slot pinning (``/apply-template`` and
 ``/tokenize`` on loopback, ``worker/pinning.py``) and token ids in the stream (``n_probs``
 asked for and stripped again, ``worker/continuation.py``); the direct path posts the plain
-client request to that same llama-server (found as the worker's child process). With
+client request to that same llama-server (its address as the router lists it). With
 ``--backend attached`` the benchmark starts llama-server and the worker attaches to it with
 ``--backend-url``, which skips both features: what is left is Shoal's relay alone. Rounds
 alternate between the paths (and which goes first) so drift on this noisy machine hits both.
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import sys
 import time
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import httpx
 import uvloop
 
 from common import (
@@ -67,34 +67,13 @@ PROMPTS = [
 
 SLOTS = 4
 CTX_PER_SLOT = 2048
-OWN_START_TIMEOUT_S = 120.0
 
 
-def own_llama_server(worker_pid: int, binary: Path) -> str:
-    """The URL of the llama-server the worker ``worker_pid`` started: its child running
-    ``binary``, whose command line names ``--host`` and ``--port``
-    (``worker/llama_server.command``). Linux only (/proc), as the benchmark's machine."""
-    deadline = time.monotonic() + OWN_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        for pid in _children(worker_pid):
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-            except OSError:
-                continue  # exited meanwhile
-            if argv and Path(argv[0]) == binary and "--port" in argv and "--host" in argv:
-                host = argv[argv.index("--host") + 1]
-                port = argv[argv.index("--port") + 1]
-                return f"http://{host}:{port}"
-        time.sleep(0.2)
-    raise RuntimeError(f"worker {worker_pid} started no {binary} within {OWN_START_TIMEOUT_S} s")
-
-
-def _children(pid: int) -> list[int]:
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            found += [int(c) for c in (task / "children").read_text().split()]
-    return found
+def own_llama_server(router_url: str) -> str:
+    """The address of the llama-server the router's one worker started, as the router lists
+    it (``backend_url`` in ``/api/v1/workers``, kept current as the worker reports it)."""
+    [worker] = httpx.get(router_url + "/api/v1/workers", timeout=5).json()["data"]
+    return str(worker["backend_url"])
 
 
 @dataclass
@@ -275,7 +254,7 @@ def main() -> None:
             wait_http(direct + "/health")
             procs.shoal("worker", *worker_args, "--backend-url", direct)
         else:
-            worker = procs.shoal(
+            procs.shoal(
                 "worker",
                 *worker_args,
                 "--model",
@@ -285,9 +264,9 @@ def main() -> None:
                 "--threads",
                 str(args.llama_threads),
             )
-            direct = own_llama_server(worker.pid, binary.llama_server)
-            wait_http(direct + "/health")
         wait_workers(router, 1)
+        if args.backend == "own":
+            direct = own_llama_server(router)
         urls = {
             "direct": direct + "/v1/chat/completions",
             "router": router + "/v1/chat/completions",

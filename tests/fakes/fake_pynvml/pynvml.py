@@ -10,10 +10,11 @@ Two ways to use it:
 
 * In process: ``FakeNvml(gpus, ...)`` is a stand-in module object;
   ``monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(...))``.
-* In a real worker process: put this folder on its ``PYTHONPATH`` (``FAKE_NVML_PATH``); its
-  ``import pynvml`` then finds this file, whose module-level functions answer from the
-  machine in ``FAKE_NVML_MACHINE`` (a JSON file; default ``h100x2.json`` beside this file,
-  values transcribed from a recorded ``nvidia-smi``, see ``tests/hardware/fixtures/SOURCES.md``).
+* In a real worker process: put this folder first on its ``PYTHONPATH`` (``worker_env`` in
+  this package's ``__init__``); its ``import pynvml`` then finds this file, whose module-level
+  functions answer from the machine in ``FAKE_NVML_MACHINE`` (a JSON file; by default
+  ``h100x2.json`` beside this file, values transcribed from a recorded ``nvidia-smi``, see
+  ``tests/hardware/fixtures/SOURCES.md``).
 """
 
 from __future__ import annotations
@@ -25,9 +26,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-FAKE_NVML_PATH = Path(__file__).parent
-"""The folder to put first on a process's ``PYTHONPATH`` to give it this fake."""
-DEFAULT_MACHINE = FAKE_NVML_PATH / "h100x2.json"
+DEFAULT_MACHINE = Path(__file__).parent / "h100x2.json"
 MIB = 1 << 20
 
 NVML_TEMPERATURE_GPU = 0

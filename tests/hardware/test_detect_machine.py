@@ -1,20 +1,19 @@
 """detect_machine and refresh_free_memory with a runner that replays recorded tool outputs.
 
-``Replay`` is a FAKE of the vendor tools (nvidia-smi, amd-smi, rocm-smi, system_profiler,
-sysctl, vulkaninfo): it answers each command line with a recorded output from ``fixtures/``
-and treats every other command as not installed, as ``run_tool`` does for a missing binary.
-``run_tool`` itself is tested against real processes.
+``Replay`` (``fakes.tool_replay``) is a FAKE of the vendor tools: it answers each command line
+with a recorded output from ``fixtures/`` and treats every other command as not installed, as
+``run_tool`` does for a missing binary. ``run_tool`` itself is tested against real processes.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
 import pytest
 
+from fakes.tool_replay import Replay
 from shoal.hardware import amd, apple, detect, nvidia, vulkan
 from shoal.hardware.detect import ToolResult, detect_machine, refresh_free_memory, run_tool
 from shoal.hardware.profile import Accelerator, GpuDevice, MachineProfile
@@ -25,20 +24,6 @@ MIB = 1 << 20
 
 def read(name: str) -> str:
     return (FIXTURES / name).read_text(encoding="utf-8")
-
-
-class Replay:
-    """FAKE command runner: recorded outputs for known command lines, None for the rest."""
-
-    def __init__(self, outputs: dict[tuple[str, ...], ToolResult | str]) -> None:
-        self.outputs = {
-            k: ToolResult(0, v) if isinstance(v, str) else v for k, v in outputs.items()
-        }
-        self.calls: list[tuple[str, ...]] = []
-
-    def __call__(self, argv: Sequence[str]) -> ToolResult | None:
-        self.calls.append(tuple(argv))
-        return self.outputs.get(tuple(argv))
 
 
 def no_nvml() -> list[GpuDevice] | None:
@@ -181,6 +166,22 @@ def test_refresh_uses_nvml_when_it_answers() -> None:
     assert fresh.gpus[0].memory_free_bytes == 1 << 30
     assert fresh.gpus[6].memory_free_bytes == profile.gpus[6].memory_free_bytes  # kept
     assert fresh.gpus[0].memory_total_bytes == profile.gpus[0].memory_total_bytes
+
+
+def test_refresh_takes_measured_free_memory_when_it_covers_every_gpu() -> None:
+    def no_call() -> dict[int, int] | None:
+        raise AssertionError("NVML asked again for what telemetry just read")
+
+    profile = cuda_profile()
+    measured = {g.index: (g.index + 1) * MIB for g in profile.gpus}
+    run = Replay({})
+    fresh = refresh_free_memory(profile, run, nvml_free=no_call, measured=measured)
+    assert [g.memory_free_bytes for g in fresh.gpus] == [(i + 1) * MIB for i in range(8)]
+    assert run.calls == []
+    # Telemetry that misses a GPU: the tools are asked, as without it.
+    partial = {0: 1}
+    fresh = refresh_free_memory(profile, run, nvml_free=lambda: {0: 5}, measured=partial)
+    assert fresh.gpus[0].memory_free_bytes == 5
 
 
 def test_refresh_falls_back_to_nvidia_smi() -> None:

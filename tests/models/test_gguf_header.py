@@ -104,3 +104,9 @@ def test_what_is_not_gguf_is_refused_by_check_complete(tmp_path: Path) -> None:
     path.write_bytes(b"GGUF\x01\x00\x00\x00" + b"\x00" * 32)
     with pytest.raises(ModelError, match="not a GGUF model Shoal can use: GGUF version 1"):
         check_complete(path)
+
+
+def test_a_file_without_tensors_needs_only_its_header() -> None:
+    header = b"GGUF" + (3).to_bytes(4, "little") + bytes(16)  # v3, no tensors, no metadata
+    assert data_offset(header) == 32  # the data would start at the alignment
+    assert data_end(header) == 24

@@ -85,7 +85,8 @@ class _Layout:
     data_offset: int
     """Where the tensor data starts (the header's length with its padding)."""
     data_end: int
-    """The byte after the last tensor's data: the least size of a whole file."""
+    """The byte after the last tensor's data (with no tensors, the header's end, without the
+    padding): the least size of a whole file."""
 
 
 def data_offset(data: bytes) -> int | None:
@@ -158,7 +159,7 @@ def _layout(data: bytes) -> _Layout | None:
     if alignment <= 0:
         raise ValueError(f"GGUF alignment {alignment} is not positive")
     start = -(-cursor.at // alignment) * alignment
-    return _Layout(start, start + max(extents, default=0))
+    return _Layout(start, start + max(extents) if extents else cursor.at)
 
 
 def _skip_metadata(cursor: _Cursor, n_kv: int) -> int:

@@ -97,7 +97,7 @@ def plan(
     local = local_model(settings, settings.model or default_model or DEFAULT_MODEL.id, machine)
     alias = settings.model_alias or local.id
     device_args, device_env = _device_args(machine, settings)
-    threads = cpu_threads(settings, machine)
+    threads = cpu_threads(settings, machine, alias)
     config = LlamaServerConfig(
         binary=binaries.llama_server,
         model_path=local.path,
@@ -123,15 +123,17 @@ def plan(
     return Plan(info, config)
 
 
-def cpu_threads(settings: WorkerSettings, machine: MachineProfile) -> ServerThreads:
-    """llama-server's threads beside the llama.cpp servers already on this machine (the
-    rule: ``llama_cpp.threads.server_threads``); a WARNING when they outnumber the cores."""
+def cpu_threads(settings: WorkerSettings, machine: MachineProfile, model: str) -> ServerThreads:
+    """``model``'s llama-server's threads beside the llama.cpp servers already on this machine
+    (the rule: ``llama_cpp.threads.server_threads``); a WARNING when they outnumber the cores.
+    Blocking (the process table)."""
     cores = detect_usable_cores(machine.cpu)
     others = running_servers(machine.cpu)
     decided = server_threads(cores, [s.threads for s in others], settings.threads)
     log.info(
-        "llama-server threads: %d (%s); %d usable cores, %d llama.cpp server(s) here already "
-        "with %d threads%s",
+        "model %s: llama-server threads %d (%s); %d usable cores, %d llama.cpp server(s) here "
+        "already with %d threads%s",
+        model,
         decided.threads,
         "--threads" if decided.configured else "the cores the others leave free",
         cores,
@@ -141,7 +143,7 @@ def cpu_threads(settings: WorkerSettings, machine: MachineProfile) -> ServerThre
     )
     warning = oversubscription(decided)
     if warning is not None:
-        log.warning("%s", warning)
+        log.warning("model %s: %s", model, warning)
     return decided
 
 

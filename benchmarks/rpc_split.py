@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from shoal.hardware.detect import detect_machine  # noqa: E402
 from shoal.llama_cpp.binaries import rpc_server_beside  # noqa: E402
 from shoal.llama_cpp.locate import resolve  # noqa: E402
-from shoal.llama_cpp.threads import shard_env, stage_threads  # noqa: E402
+from shoal.llama_cpp.threads import spin_env, stage_threads  # noqa: E402
 from shoal.models.default import DEFAULT_MODEL  # noqa: E402
 from shoal.models.resolve import resolve_model  # noqa: E402
 from shoal.settings import CommonSettings  # noqa: E402
@@ -238,7 +238,7 @@ def bench(args: argparse.Namespace) -> None:
     assert rpc_binary is not None, "ggml-rpc-server is not beside llama-server"
     model = resolve_model(DEFAULT_MODEL.id, cache, download=False).path
     args.rpc_threads = args.rpc_threads or stage_threads(None, detect_machine().cpu)
-    shoal_env = {**os.environ, **shard_env(os.environ)}
+    shoal_env = {**os.environ, **spin_env(os.environ)}
     with processes(Path("/tmp/shoal-bench-rpc-split")) as procs:
         rpc_ports = [free_port() for _ in range(6)]
         for n, port in enumerate(rpc_ports):
@@ -325,8 +325,7 @@ def report(args: argparse.Namespace, results: dict[str, list[float]]) -> None:
     write_json(
         "rpc_split",
         {
-            "config": {k: vars(args)[k] for k in CONFIG_KEYS}
-            | {"split_env": shard_env(os.environ)},
+            "config": {k: vars(args)[k] for k in CONFIG_KEYS} | {"split_env": spin_env(os.environ)},
             "load_average_after": os.getloadavg(),
             "tokens_per_second": results,
             "medians": med,

@@ -221,7 +221,10 @@ class Cluster:
         model: bool = True,
         env: dict[str, str] | None = None,
         wrap: list[str] | None = None,
+        threads: int | None = 1,
     ) -> Proc:
+        """A worker of the default model (with ``model``); ``threads`` None gives no
+        ``--threads``, so the worker decides."""
         env = {**(clean_env(SHOAL_GPU_KEY=gpu_key) if gpu_key else clean_env()), **(env or {})}
         argv = [
             "--router-url",
@@ -230,9 +233,9 @@ class Cluster:
             name,
             "--cache-dir",
             str(self.base / "cache"),
-            "--threads",
-            "1",
         ]
+        if threads is not None:
+            argv += ["--threads", str(threads)]
         if model:
             argv += [
                 "--llama-server-path",

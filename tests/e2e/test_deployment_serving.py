@@ -16,7 +16,7 @@ import pytest
 from split_models import PROMPTS, ask, deployment, is_head, rpc_servers, status
 
 from cluster import MODEL, Cluster, Router, wait_until
-from shoal.llama_cpp.threads import SHARD_SPINCOUNT
+from shoal.llama_cpp.threads import SPINCOUNT
 
 pytestmark = pytest.mark.e2e
 
@@ -91,7 +91,7 @@ def test_split_over_three_workers_answers_as_one_machine(
         argv = p.cmdline()
         assert argv[argv.index("-t") + 1] == "1", argv
     for p in [*stages, *heads]:
-        assert p.environ().get("GOMP_SPINCOUNT") == str(SHARD_SPINCOUNT), p.cmdline()
+        assert p.environ().get("GOMP_SPINCOUNT") == str(SPINCOUNT), p.cmdline()
 
     metrics = httpx.get(router.url + "/metrics", headers=router.headers).text
     assert 'shoal_deployment_shards{deployment="smol-split",state="ready"} 3.0' in metrics

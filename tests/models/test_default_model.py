@@ -188,7 +188,8 @@ def test_pip_failure_is_reported_with_pips_output(cache_dir: Path) -> None:
 
 def test_resolve_model_accepts_a_gguf_path(tmp_path: Path) -> None:
     gguf = tmp_path / "My-Model.Q4_K_M.gguf"
-    gguf.write_bytes(b"GGUF" + bytes(60))
+    # A whole GGUF v3 file: no tensors and no metadata (its header is all it needs to hold).
+    gguf.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(16))
 
     local = resolve_model(str(gguf), tmp_path / "unused-cache")
 

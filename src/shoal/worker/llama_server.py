@@ -71,6 +71,9 @@ class LlamaServerConfig:
     ctx_size: int
     log_file: Path
     threads: int | None = None
+    """``--threads`` (None: llama.cpp's own choice)."""
+    batch_threads: int | None = None
+    """``--threads-batch`` (None: the same as ``threads``)."""
     embedding: bool = False
     extra_args: tuple[str, ...] = ()
     host: str = "127.0.0.1"
@@ -104,6 +107,8 @@ def command(config: LlamaServerConfig, port: int) -> list[str]:
     ]
     if config.threads:
         args += ["--threads", str(config.threads)]
+    if config.batch_threads:
+        args += ["--threads-batch", str(config.batch_threads)]
     if config.embedding:
         args += ["--embedding"]
         if "--pooling" not in config.extra_args:

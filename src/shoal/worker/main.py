@@ -26,7 +26,7 @@ from shoal.llama_cpp.devices import ComputeDevice, list_devices, stage_devices
 from shoal.llama_cpp.errors import LlamaCppError
 from shoal.llama_cpp.options import binaries as llama_cpp_binaries
 from shoal.llama_cpp.rpc_cache import RpcCache
-from shoal.llama_cpp.threads import shard_env, stage_threads
+from shoal.llama_cpp.threads import spin_env, stage_threads
 from shoal.llama_cpp.version import server_version
 from shoal.models.default import DEFAULT_MODEL
 from shoal.paths import logs_dir, rpc_cache_dir
@@ -405,7 +405,7 @@ def _shard_tools(
     def devices() -> tuple[ComputeDevice, ...]:
         return stage_devices(list_devices(found.llama_server), names)
 
-    env = shard_env(os.environ) | hardware.device_environment(machine, settings.gpu_devices)
+    env = spin_env(os.environ) | hardware.device_environment(machine, settings.gpu_devices)
     build = server_version(found.llama_server)
 
     return ShardTools(

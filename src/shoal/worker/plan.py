@@ -2,7 +2,8 @@
 
 ``plan`` resolves the llama.cpp binaries and the model file (from a path, the cache, the
 Hugging Face Hub with the quantization that fits this machine, or the model store), and
-builds llama-server's exact configuration; with ``--backend-url`` it only names the attached
+builds llama-server's exact configuration (its threads: those the llama.cpp servers already
+on this machine leave free); with ``--backend-url`` it only names the attached
 server's model. Mistakes raise ``WorkerConfigError`` (or a model error) before the worker
 dials its router. Image models are planned apart (``image_plan.py``).
 """
@@ -17,9 +18,12 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
+from shoal.hardware.cpu_quota import detect_usable_cores
 from shoal.hardware.detect import parse_gpu_devices
 from shoal.hardware.profile import MachineProfile
+from shoal.llama_cpp.host_servers import running_servers
 from shoal.llama_cpp.options import binaries as llama_cpp_binaries
+from shoal.llama_cpp.threads import ServerThreads, oversubscription, server_threads, spin_env
 from shoal.models.catalog import HubSource, QuantFile
 from shoal.models.default import DEFAULT_MODEL
 from shoal.models.errors import ModelError
@@ -93,20 +97,22 @@ def plan(
     local = local_model(settings, settings.model or default_model or DEFAULT_MODEL.id, machine)
     alias = settings.model_alias or local.id
     device_args, device_env = _device_args(machine, settings)
+    threads = cpu_threads(settings, machine, alias)
     config = LlamaServerConfig(
         binary=binaries.llama_server,
         model_path=local.path,
         alias=alias,
         slots=settings.slots,
         ctx_size=settings.ctx_size,
-        threads=settings.threads,
+        threads=threads.threads,
+        batch_threads=threads.batch_threads,
         embedding=settings.embedding,
         extra_args=_extra_args(settings.llama_server_args),
         log_file=logs_dir(settings.cache_dir) / f"llama-server-{alias.replace('/', '_')}.log",
         max_restarts=settings.max_restarts,
         idle_unload_s=settings.idle_unload,
         device_args=device_args,
-        env=device_env,
+        env=tuple(sorted({**spin_env(os.environ), **dict(device_env)}.items())),
     )
     info = ModelInfo(
         name=ModelName(alias),
@@ -115,6 +121,30 @@ def plan(
         backend="llama-server",
     )
     return Plan(info, config)
+
+
+def cpu_threads(settings: WorkerSettings, machine: MachineProfile, model: str) -> ServerThreads:
+    """``model``'s llama-server's threads beside the llama.cpp servers already on this machine
+    (the rule: ``llama_cpp.threads.server_threads``); a WARNING when they outnumber the cores.
+    Blocking (the process table)."""
+    cores = detect_usable_cores(machine.cpu)
+    others = running_servers(machine.cpu)
+    decided = server_threads(cores, [s.threads for s in others], settings.threads)
+    log.info(
+        "model %s: llama-server threads %d (%s); %d usable cores, %d llama.cpp server(s) here "
+        "already with %d threads%s",
+        model,
+        decided.threads,
+        "--threads" if decided.configured else "the cores the others leave free",
+        cores,
+        len(others),
+        sum(decided.others),
+        "".join(f", {s.name} pid {s.pid}: {s.threads}" for s in others),
+    )
+    warning = oversubscription(decided)
+    if warning is not None:
+        log.warning("model %s: %s", model, warning)
+    return decided
 
 
 def _gpu_indices(settings: WorkerSettings) -> tuple[int, ...] | None:

@@ -180,7 +180,9 @@ class WorkerSettings(LlamaCppOptions):
         None,
         ge=1,
         description="CPU threads for llama-server and for split-model stages (default: "
-        "llama.cpp's choice for llama-server, one per physical core for stages).",
+        "llama-server takes the cores that the llama.cpp servers already running on this "
+        "machine leave free, at least one, and warns when they are too few; stages one per "
+        "physical core).",
     )
     embedding: bool = Field(
         False, description="Serve embeddings (/v1/embeddings) instead of completions."

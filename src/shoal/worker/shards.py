@@ -88,7 +88,7 @@ class ShardTools:
     stage_threads: int
     """``ggml-rpc-server -t`` (``llama_cpp.threads.stage_threads``)."""
     env: tuple[tuple[str, str], ...]
-    """Added to every shard process's environment (``llama_cpp.threads.shard_env``)."""
+    """Added to every shard process's environment (``llama_cpp.threads.spin_env``)."""
     rpc_host: str | None
     """Direct mode: the address stages listen on (None: this worker refuses direct mode)."""
     resolve: Callable[[ShardStart], Path]

@@ -101,14 +101,23 @@ class FakeNVMLError(Exception):
     """Stands in for pynvml.NVMLError."""
 
 
-def fake_pynvml(*, fail_init: bool = False, memory: bool = True) -> Any:
+def fake_pynvml(
+    *, fail_init: bool = False, memory: bool = True, cuda: int | Exception | None = 12040
+) -> Any:
     """A FAKE of the ``pynvml`` module (nvidia-ml-py) for a machine with two GPUs.
 
     It imitates the calls ``from_nvml`` makes: init/shutdown, count, handle by index, name,
-    UUID, memory info, driver version and compute capability; names come back as bytes the
-    way old bindings return them.
+    UUID, memory info, driver version, the driver's CUDA version (``cuda``: NVML's integer,
+    an error to raise, or None for bindings without the call) and compute capability; names
+    come back as bytes the way old bindings return them.
     """
     calls: list[str] = []
+
+    def cuda_version() -> int:
+        if isinstance(cuda, Exception):
+            raise cuda
+        assert cuda is not None
+        return cuda
 
     def init() -> None:
         calls.append("init")
@@ -120,7 +129,9 @@ def fake_pynvml(*, fail_init: bool = False, memory: bool = True) -> Any:
             raise FakeNVMLError("Not Supported")
         return SimpleNamespace(total=(24 << 30) * (handle + 1), free=(20 << 30) * (handle + 1))
 
+    extra = {} if cuda is None else {"nvmlSystemGetCudaDriverVersion": cuda_version}
     return SimpleNamespace(
+        **extra,
         calls=calls,
         NVMLError=FakeNVMLError,
         nvmlInit=init,
@@ -148,6 +159,7 @@ def test_nvml_lists_every_gpu_and_shuts_down(monkeypatch: pytest.MonkeyPatch) ->
     assert gpus[1].memory_free_bytes == 40 << 30
     assert gpus[0].compute_capability == "8.9"
     assert gpus[0].driver == "550.54.15"
+    assert {g.cuda_version for g in gpus} == {"12.4"}  # NVML's 12040
     assert fake.calls == ["init", "shutdown"]
     assert nvidia.nvidia_free_bytes() == {0: 20 << 30, 1: 40 << 30}
 
@@ -168,3 +180,37 @@ def test_nvml_without_a_driver_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_nvml_without_the_library_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import raises ImportError
     assert nvidia.from_nvml() is None
+
+
+@pytest.mark.parametrize("cuda", [None, FakeNVMLError("Function Not Found"), 0])
+def test_nvml_that_cannot_say_the_cuda_version_leaves_it_unknown(
+    monkeypatch: pytest.MonkeyPatch, cuda: int | Exception | None
+) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(cuda=cuda))
+    gpus = nvidia.from_nvml()
+    assert gpus is not None and len(gpus) == 2
+    assert {g.cuda_version for g in gpus} == {""}
+
+
+# ------------------------------------------------------------------- the driver's CUDA
+
+
+@pytest.mark.parametrize(
+    ("fixture", "expected"),
+    [
+        ("nvidia_smi_banner_h100_535.txt", "12.2"),
+        ("nvidia_smi_banner_v100x2_535.txt", "12.2"),
+        ("nvidia_smi_banner_a100x2_580.txt", "13.0"),
+        ("nvidia_smi_banner_b200_r610.txt", "13.3"),  # "CUDA UMD Version" since R610
+        ("nvidia_smi_v100x8.csv", ""),  # a query answer has no banner
+    ],
+)
+def test_cuda_version_from_recorded_banners(fixture: str, expected: str) -> None:
+    assert nvidia.parse_cuda_version(read(fixture)) == expected
+
+
+def test_cuda_version_from_the_q_report_and_garbage() -> None:
+    # nvidia-smi -q aligns its values after the colon (constructed line of that layout)
+    assert nvidia.parse_cuda_version("CUDA Version                              : 11.7") == "11.7"
+    assert nvidia.parse_cuda_version("No devices were found") == ""
+    assert nvidia.parse_cuda_version("") == ""

@@ -389,7 +389,7 @@ def _shard_tools(
     settings: WorkerSettings, machine: MachineProfile, path_env: str | None
 ) -> ShardTools:
     """The llama.cpp build split models run on here (no download: the worker's own)."""
-    found = llama_cpp_binaries(settings, path_env, allow_build=False)
+    found = llama_cpp_binaries(settings, path_env, allow_build=False, gpus=machine.gpus)
     own = settings.model_copy(update={"model_path": None})  # a head loads what it is told
 
     def resolve(spec: ShardStart) -> Path:

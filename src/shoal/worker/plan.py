@@ -88,7 +88,7 @@ def plan(
             None,
         )
     machine = machine or hardware.detect_profile()
-    binaries = llama_cpp_binaries(settings, path_env)
+    binaries = llama_cpp_binaries(settings, path_env, gpus=machine.gpus)
     log.info("llama-server: %s", binaries.reason)
     local = local_model(settings, settings.model or default_model or DEFAULT_MODEL.id, machine)
     alias = settings.model_alias or local.id

@@ -66,10 +66,12 @@ def binaries(
     *,
     allow_build: bool = True,
     gpus: Sequence[GpuDevice] | None = None,
+    choice: BackendChoice | None = None,
 ) -> Binaries:
     """The llama-server (and RPC server) these options select; may download or build.
 
-    ``gpus``: this machine's, as detected (None: detected here when needed)."""
+    ``choice``: :func:`backend_choice` when the caller has it, else it is made here from
+    ``gpus`` (this machine's, as detected; None: detected here)."""
     token = options.github_token.get_secret_value() if options.github_token else None
     explicit = options.llama_server_path
     return resolve(
@@ -77,7 +79,7 @@ def binaries(
         cache_dir=options.cache_dir,
         path_env=path_env,
         allow_build=allow_build,
-        choice=None if explicit is not None else backend_choice(options, path_env, gpus),
+        choice=None if explicit is not None else choice or backend_choice(options, path_env, gpus),
         prefer=options.llama_cpp_from,
         github_url=options.github_url,
         github_token=token,

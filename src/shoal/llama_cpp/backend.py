@@ -13,7 +13,7 @@ old, a container without the driver's libraries) it says so and how to fix it
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from shoal.hardware.profile import Accelerator, GpuDevice
 from shoal.llama_cpp import cuda
@@ -97,7 +97,7 @@ class BackendChoice:
     """Why a build from source cannot work here."""
     idle_gpus: str | None = None
     """The GPUs this choice leaves unused, why, and what to do about it."""
-    asked: bool = field(default=False, compare=False)
+    asked: bool = False
     """The backend was given (``--llama-cpp-backend``), not chosen."""
 
     def describe(self) -> str:
@@ -167,7 +167,7 @@ def _nvidia(facts: MachineFacts) -> BackendChoice | None:
 
 
 def _apple(facts: MachineFacts) -> BackendChoice | None:
-    if facts.system.lower() == "darwin" and cuda_arch(facts) == "arm64":
+    if facts.system.lower() == "darwin" and _arch(facts) == "arm64":
         return BackendChoice(BACKEND_METAL, ("Apple Silicon: Metal",))
     return None
 
@@ -258,7 +258,7 @@ def _vulkan_no_build(facts: MachineFacts) -> str | None:
 # ------------------------------------------------------------------------ CUDA
 
 
-def cuda_arch(facts: MachineFacts) -> str:
+def _arch(facts: MachineFacts) -> str:
     return normalize_machine(facts.machine)
 
 
@@ -292,12 +292,12 @@ class _Release:
 
 def _release(facts: MachineFacts, gpus: tuple[GpuDevice, ...]) -> _Release:
     """The CUDA release build that runs on every GPU here, preferring the driver's major."""
-    builds = cuda.RELEASE_CUDA.get((facts.system.lower(), cuda_arch(facts)), {})
+    builds = cuda.RELEASE_CUDA.get((facts.system.lower(), _arch(facts)), {})
     if not builds:
         return _Release(None, (), f"llama.cpp publishes no CUDA build for {facts.system}")
     driver, said = driver_cuda(gpus)
     if driver is None or not gpus:
-        major = cuda.DEFAULT_CUDA_MAJOR.get(cuda_arch(facts), max(builds))
+        major = cuda.DEFAULT_CUDA_MAJOR.get(_arch(facts), max(builds))
         return _Release(major, (f"{said}: the CUDA {builds[major]} release",))
     caps = _capabilities(gpus)
     problems: list[str] = []

@@ -225,6 +225,9 @@ def _cpu(facts: MachineFacts) -> BackendChoice:
                 "(/usr/lib/wsl/lib/libcuda.so and nvidia-smi); install or update it on Windows",
             ),
         )
+    if facts.gpus:
+        why = f"no llama.cpp backend drives the GPUs here on {facts.system} ({_names(facts.gpus)})"
+        return BackendChoice(BACKEND_CPU, (why,))
     return BackendChoice(BACKEND_CPU, ("no GPU found (NVML, nvidia-smi, amd-smi, vulkaninfo)",))
 
 

@@ -1,8 +1,9 @@
 """``shoal doctor`` through the real CLI: on this machine, and with a recorded driver.
 
-The second machine is this one with a FAKE ``nvidia-smi`` first on PATH (``tests/fakes``:
-recorded outputs of H100 machines). NVML cannot load here (no driver library), so the
-detection falls back to that ``nvidia-smi``, as it does on a machine whose NVML is broken.
+The second machine is this one with a FAKE ``nvidia-smi`` first on PATH
+(``fakes.tool_replay.nvidia_h100_driver``: recorded outputs of H100 machines). NVML cannot
+load here (no driver library), so the detection falls back to that ``nvidia-smi``, as it
+does on a machine whose NVML is broken.
 The llama-server is Shoal's real cached CPU build.
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 
 from cluster import clean_env
-from fakes import NVIDIA_DRIVER
+from fakes.tool_replay import nvidia_h100_driver
 from shoal.cli.doctor_checks import binary_check, model_check
 from shoal.hardware import nvidia
 from shoal.hardware.profile import Accelerator, GpuDevice
@@ -28,7 +29,7 @@ from shoal.llama_cpp.devices import ComputeDevice
 from shoal.settings import CommonSettings
 
 SYSTEM_PATH = os.pathsep.join(["/usr/bin", "/bin"])
-"""Tools the fake needs (sh, cat, dirname) and nothing of the developer's (no nvcc)."""
+"""Tools the fake needs (sh, cat) and nothing of the developer's (no nvcc)."""
 
 
 def cpu_build() -> Path:
@@ -78,7 +79,8 @@ def test_a_recorded_h100_driver_with_the_cpu_build_says_what_to_run(
     folder = tmp_path / "bin"
     folder.mkdir()
     (folder / "llama-server").symlink_to(cpu_build())
-    path = os.pathsep.join([str(NVIDIA_DRIVER), str(folder), SYSTEM_PATH])
+    driver = nvidia_h100_driver().on_path(tmp_path / "driver")
+    path = os.pathsep.join([str(driver), str(folder), SYSTEM_PATH])
     flags = ("--llama-server-path", str(cpu_build())) if how != "PATH" else ()
 
     answer = doctor(*flags, path=path)
@@ -102,14 +104,9 @@ def test_a_recorded_h100_driver_with_the_cpu_build_says_what_to_run(
 def test_a_driver_too_old_for_any_build_says_to_upgrade_it(tmp_path: Path) -> None:
     """H100s on driver 535 (CUDA 12.2): no release build runs there and nothing can be
     built, so the backend falls to the CPU, which is an error with the upgrade as its fix."""
-    path = os.pathsep.join([str(NVIDIA_DRIVER), SYSTEM_PATH])
-    answer = doctor(
-        "--json",
-        "--llama-server-path",
-        str(cpu_build()),
-        path=path,
-        FAKE_NVIDIA_SMI_BANNER="nvidia_smi_banner_h100_535.txt",
-    )
+    driver = nvidia_h100_driver("nvidia_smi_banner_h100_535.txt").on_path(tmp_path / "driver")
+    path = os.pathsep.join([str(driver), SYSTEM_PATH])
+    answer = doctor("--json", "--llama-server-path", str(cpu_build()), path=path)
     assert answer.returncode == 1
     found = checks(answer)
     assert found["backend"]["status"] == "error"

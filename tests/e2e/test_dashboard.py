@@ -29,7 +29,8 @@ from playwright.sync_api import (
 )
 
 from cluster import API_KEY, MODEL, Cluster, Proc, Router, wait_until
-from fakes import NVIDIA_DRIVER
+from fakes.fake_pynvml import worker_env
+from fakes.tool_replay import nvidia_h100_driver
 
 pytestmark = pytest.mark.e2e
 
@@ -263,6 +264,63 @@ def _check_optional_panels(live: Live, page: Page) -> None:
         page.wait_for_function("() => document.querySelector('#now-tokens').textContent !== '–'")
 
 
+def test_a_worker_card_shows_each_gpus_telemetry(
+    live: Live, watched: Watched, session_cluster: Cluster
+) -> None:
+    """A worker whose NVML is a FAKE (no NVIDIA GPU here; ``fakes.fake_pynvml``) reporting two
+    H100s: its card shows a utilization and a memory bar per GPU, temperature and power as
+    text, all from what the router's worker list says."""
+    router = live.router
+    gpu_worker = session_cluster.worker(
+        router, "--slots", "1", "--ctx-size", "1024", name="dash-gpu", env=worker_env()
+    )
+    try:
+        entry = wait_until(
+            lambda: next(
+                (w for w in router.workers() if w["name"] == "dash-gpu" and w["gpu_telemetry"]),
+                None,
+            ),
+            120,
+            "the GPU worker's first heartbeat",
+        )
+        watched.sign_in()
+        card = watched.page.wait_for_selector(f'.worker[data-worker-id="{entry["id"]}"]')
+        assert card is not None
+        for sample in entry["gpu_telemetry"]:
+            gpu = card.query_selector(f'.gpu[data-gpu="{sample["index"]}"]')
+            assert gpu is not None, card.inner_html()
+            readout = _text(gpu, ".gpu-readout")
+            assert readout == (
+                f"{sample['temperature_celsius']:.0f} °C · "
+                f"{sample['power_watts']:.0f} / {sample['power_limit_watts']:.0f} W"
+            )
+            assert sample["name"] in _text(gpu, ".gpu-name")
+            util = gpu.query_selector(".gpu-util")
+            assert util is not None
+            percent = sample["utilization_percent"]
+            assert _text(util, ".meter-label") == f"Utilization{percent:.0f}%"
+            assert _width(util) == pytest.approx(percent, abs=0.1)
+            memory = gpu.query_selector(".gpu-memory")
+            assert memory is not None
+            used = sample["memory_used_bytes"] / sample["memory_total_bytes"]
+            assert _width(memory) == pytest.approx(100 * used, abs=0.1)
+            # h100x2.json: 72790 of 81559 MiB used on each
+            assert _text(memory, ".meter-label") == "Memory71 GiB used · 8.6 GiB free"
+        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        shot = SCREENSHOT.with_name("dashboard-gpu-card.png")
+        watched.page.locator(f'.worker[data-worker-id="{entry["id"]}"]').screenshot(path=shot)
+    finally:
+        _stop(gpu_worker)
+
+
+def _width(meter: ElementHandle) -> float:
+    """The fill of a meter's bar, in percent of the bar."""
+    fill = meter.query_selector(".fill")
+    assert fill is not None
+    style = fill.get_attribute("style") or ""
+    return float(style.removeprefix("width: ").removesuffix("%;"))
+
+
 def test_playground_streams_a_reply_from_the_real_model(live: Live, watched: Watched) -> None:
     page = watched.page
     watched.sign_in()
@@ -403,13 +461,14 @@ def test_layer_map_shows_a_real_deployment(
 
 
 def test_a_gpu_worker_on_a_cpu_build_is_never_silent(
-    live: Live, watched: Watched, session_cluster: Cluster
+    live: Live, watched: Watched, session_cluster: Cluster, tmp_path: Path
 ) -> None:
     """A worker that finds GPUs (a FAKE nvidia-smi replaying a recorded H100 machine first on
-    its PATH; NVML cannot load here, so detection falls back to it) but runs the CPU build of
-    llama-server warns at start with the fix, registers why its GPUs sit idle, and its card
-    shows a badge; the card of a worker without GPUs shows none."""
-    path = f"{NVIDIA_DRIVER}{os.pathsep}{os.environ['PATH']}"
+    its PATH, ``fakes.tool_replay``; NVML cannot load here, so detection falls back to it) but
+    runs the CPU build of llama-server warns at start with the fix, registers why its GPUs sit
+    idle, and its card shows a badge; the card of a worker without GPUs shows none."""
+    driver = nvidia_h100_driver().on_path(tmp_path / "driver")
+    path = f"{driver}{os.pathsep}{os.environ['PATH']}"
     gpu = session_cluster.worker(
         live.router, "--slots", "1", "--ctx-size", "1024", name="dash-gpu", env={"PATH": path}
     )

@@ -8,6 +8,7 @@ import pytest
 
 from shoal.hardware import amd
 from shoal.hardware.profile import Accelerator
+from shoal.protocol.telemetry import GpuSample
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MIB = 1 << 20
@@ -119,3 +120,98 @@ def test_rocm_smi_without_vram_keys_reports_unknown_memory() -> None:
 def test_unreadable_amd_smi_gives_no_gpus(text: str) -> None:
     assert amd.parse_amd_smi(text, text) == []
     assert amd.parse_rocm_smi_json(text) == []
+
+
+# ------------------------------------------------------------------------- telemetry
+
+S = GpuSample
+
+
+@pytest.mark.parametrize(
+    ("fixture", "expected"),
+    [
+        (  # ROCm 6.4+ gpu_data shape, every reading present: the edge sensor is the die
+            "amd_smi_metric_telemetry_2gpu.json",
+            (
+                S(index=0, utilization_percent=91, memory_used_bytes=20450 * MIB,
+                  memory_total_bytes=30576 * MIB, temperature_celsius=54, power_watts=12.3),
+                S(index=1, utilization_percent=1, memory_used_bytes=57 * MIB,
+                  memory_total_bytes=32624 * MIB, temperature_celsius=31, power_watts=23.4),
+            ),
+        ),
+        (  # MI300X: edge "N/A", so the hotspot; no mem_usage asked for in that capture
+            "amd_smi_metric_mi300x.json",
+            (S(index=0, utilization_percent=0, temperature_celsius=45, power_watts=158),),
+        ),
+        (  # ROCm 6.1 list shape, usage and memory only
+            "amd_smi_metric_list_rx6600.json",
+            (S(index=0, utilization_percent=1, memory_used_bytes=202 * MIB,
+               memory_total_bytes=8176 * MIB),),
+        ),
+        (  # ROCm 6.0: bare MB integers
+            "amd_smi_metric_rocm60_RECONSTRUCTED.json",
+            (S(index=0, memory_used_bytes=202 * MIB, memory_total_bytes=8176 * MIB),),
+        ),
+    ],
+)  # fmt: skip
+def test_amd_smi_telemetry(fixture: str, expected: tuple[GpuSample, ...]) -> None:
+    assert amd.parse_amd_smi_telemetry(read(fixture)) == expected
+
+
+@pytest.mark.parametrize(
+    ("fixture", "expected"),
+    [
+        (  # MI300X: current socket power, 750 W cap, junction temperature only
+            "rocm_smi_mi300x.json",
+            (S(index=0, utilization_percent=0, memory_used_bytes=299687936,
+               memory_total_bytes=205822885888, temperature_celsius=45, power_watts=159,
+               power_limit_watts=750),),
+        ),
+        (  # MI250, -a: edge sensor, average power, no VRAM keys
+            "rocm_smi_showallinfo_mi250.json",
+            (S(index=0, uuid="0x719d230578348e8c", name="AMD INSTINCT MI250 (MCM) OAM AC MBA",
+               utilization_percent=0, temperature_celsius=32, power_watts=89,
+               power_limit_watts=560),),
+        ),
+        (  # two MI250 dies: the secondary die's power is "N/A (Secondary die)"
+            "rocm_smi_mi250_2card.json",
+            (
+                S(index=0, name="AMD INSTINCT MI250 (MCM) OAM AC MBA", utilization_percent=50,
+                  memory_used_bytes=51527024640, memory_total_bytes=68702699520,
+                  power_watts=102),
+                S(index=1, name="AMD INSTINCT MI250 (MCM) OAM AC MBA", utilization_percent=0,
+                  memory_used_bytes=11665408, memory_total_bytes=68702699520),
+            ),
+        ),
+        (  # no readings asked for at all: the card is there, every reading None
+            "rocm_smi_showallinfo_rx6600.json",
+            (S(index=0, uuid="", name="Navi 23 [Radeon RX 6600/6600 XT/6600M]",
+               utilization_percent=0),),
+        ),
+    ],
+)  # fmt: skip
+def test_rocm_smi_telemetry(fixture: str, expected: tuple[GpuSample, ...]) -> None:
+    assert amd.parse_rocm_smi_telemetry(read(fixture)) == expected
+
+
+@pytest.mark.parametrize("text", ["", "not json", "[1, 2]", '{"gpu_data": "N/A"}', "{}"])
+def test_unreadable_telemetry_is_empty(text: str) -> None:
+    assert amd.parse_amd_smi_telemetry(text) == ()
+    assert amd.parse_rocm_smi_telemetry(text) == ()
+
+
+def test_amd_smi_warning_lines_and_odd_values_are_skipped() -> None:
+    text = (
+        "WARNING: User is missing the following required groups: render, video\n"
+        '[{"gpu": 0, "usage": {"gfx_activity": "37 %"}, "power": {"socket_power": "N/A"},'
+        ' "temperature": {"edge": {"value": "nan"}, "hotspot": true},'
+        ' "mem_usage": {"total_vram": {"value": 100, "unit": "MB"},'
+        ' "free_vram": {"value": 25, "unit": "MB"}}}]'
+    )
+    [sample] = amd.parse_amd_smi_telemetry(text)
+    assert sample == S(
+        index=0,
+        utilization_percent=37,
+        memory_used_bytes=75 * MIB,  # total - free when used is not given
+        memory_total_bytes=100 * MIB,
+    )

@@ -1,20 +1,20 @@
 """detect_machine and refresh_free_memory with a runner that replays recorded tool outputs.
 
-``Replay`` is a FAKE of the vendor tools (nvidia-smi, amd-smi, rocm-smi, system_profiler,
-sysctl, vulkaninfo): it answers each command line with a recorded output from ``fixtures/``
-and treats every other command as not installed, as ``run_tool`` does for a missing binary.
-``run_tool`` itself is tested against real processes.
+``Replay`` (``fakes.tool_replay``) is a FAKE of the vendor tools: it answers each command line
+with a recorded output from ``fixtures/`` and treats every other command as not installed, as
+``run_tool`` does for a missing binary. ``run_tool`` itself is tested against real processes.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
 import pytest
 
+from fakes.tool_replay import Replay, nvidia_h100_driver
 from shoal.hardware import amd, apple, detect, nvidia, vulkan
 from shoal.hardware.detect import ToolResult, detect_machine, refresh_free_memory, run_tool
 from shoal.hardware.profile import Accelerator, GpuDevice, MachineProfile
@@ -25,20 +25,6 @@ MIB = 1 << 20
 
 def read(name: str) -> str:
     return (FIXTURES / name).read_text(encoding="utf-8")
-
-
-class Replay:
-    """FAKE command runner: recorded outputs for known command lines, None for the rest."""
-
-    def __init__(self, outputs: dict[tuple[str, ...], ToolResult | str]) -> None:
-        self.outputs = {
-            k: ToolResult(0, v) if isinstance(v, str) else v for k, v in outputs.items()
-        }
-        self.calls: list[tuple[str, ...]] = []
-
-    def __call__(self, argv: Sequence[str]) -> ToolResult | None:
-        self.calls.append(tuple(argv))
-        return self.outputs.get(tuple(argv))
 
 
 def no_nvml() -> list[GpuDevice] | None:
@@ -208,6 +194,22 @@ def test_refresh_uses_nvml_when_it_answers() -> None:
     assert fresh.gpus[0].memory_total_bytes == profile.gpus[0].memory_total_bytes
 
 
+def test_refresh_takes_measured_free_memory_when_it_covers_every_gpu() -> None:
+    def no_call() -> dict[int, int] | None:
+        raise AssertionError("NVML asked again for what telemetry just read")
+
+    profile = cuda_profile()
+    measured = {g.index: (g.index + 1) * MIB for g in profile.gpus}
+    run = Replay({})
+    fresh = refresh_free_memory(profile, run, nvml_free=no_call, measured=measured)
+    assert [g.memory_free_bytes for g in fresh.gpus] == [(i + 1) * MIB for i in range(8)]
+    assert run.calls == []
+    # Telemetry that misses a GPU: the tools are asked, as without it.
+    partial = {0: 1}
+    fresh = refresh_free_memory(profile, run, nvml_free=lambda: {0: 5}, measured=partial)
+    assert fresh.gpus[0].memory_free_bytes == 5
+
+
 def test_refresh_falls_back_to_nvidia_smi() -> None:
     command = nvidia.smi_command(nvidia.SMI_FREE_FIELDS)
     # Header and rows in the form nvidia-smi prints for this query (constructed values).
@@ -254,3 +256,25 @@ def test_run_tool_finds_nvidia_smi_in_wsls_driver_folder(
     monkeypatch.setattr(detect, "WSL_LIB", wsl_lib)
     result = run_tool(nvidia.SMI_BANNER)
     assert result is not None and result.stdout.strip() == "CUDA Version: 12.6"
+
+
+def test_the_replay_on_path_answers_as_the_replay_in_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The FAKE nvidia-smi real processes run (``Replay.on_path``) is the same table of
+    recordings: detection through the real ``run_tool`` finds what it finds in process, and
+    a command line without a recording fails."""
+    replay = nvidia_h100_driver()
+    folder = replay.on_path(tmp_path / "bin")
+    monkeypatch.setenv("PATH", os.pathsep.join([str(folder), "/usr/bin", "/bin"]))
+    monkeypatch.setattr(detect, "WSL_LIB", tmp_path / "no-wsl")
+    in_process = detect_machine(replay, system="Linux", nvml=no_nvml)
+    through_path = detect_machine(run_tool, system="Linux", nvml=no_nvml)
+    assert through_path.gpus == in_process.gpus
+    assert {(g.name, g.cuda_version) for g in through_path.gpus} == {
+        ("NVIDIA H100 80GB HBM3", "13.0")
+    }
+    assert len(through_path.gpus) == 8
+    failed = run_tool(nvidia.smi_command(nvidia.SMI_TELEMETRY_FIELDS))
+    assert failed is not None and failed.returncode == 1
+    assert "no recording for this command line" in failed.stderr

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
+from fakes.fake_pynvml.pynvml import FakeGpu, FakeNvml, NVMLError
 from shoal.hardware import nvidia
 from shoal.hardware.profile import Accelerator
+from shoal.protocol.telemetry import GpuSample
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MIB = 1 << 20
@@ -97,52 +98,25 @@ def test_query_commands_keep_the_header() -> None:
 # ------------------------------------------------------------------------------ NVML
 
 
-class FakeNVMLError(Exception):
-    """Stands in for pynvml.NVMLError."""
-
-
 def fake_pynvml(
     *, fail_init: bool = False, memory: bool = True, cuda: int | Exception | None = 12040
-) -> Any:
-    """A FAKE of the ``pynvml`` module (nvidia-ml-py) for a machine with two GPUs.
-
-    It imitates the calls ``from_nvml`` makes: init/shutdown, count, handle by index, name,
-    UUID, memory info, driver version, the driver's CUDA version (``cuda``: NVML's integer,
-    an error to raise, or None for bindings without the call) and compute capability; names
-    come back as bytes the way old bindings return them.
-    """
-    calls: list[str] = []
-
-    def cuda_version() -> int:
-        if isinstance(cuda, Exception):
-            raise cuda
-        assert cuda is not None
-        return cuda
-
-    def init() -> None:
-        calls.append("init")
-        if fail_init:
-            raise FakeNVMLError("NVML Shared Library Not Found")
-
-    def memory_info(handle: int) -> SimpleNamespace:
-        if not memory:
-            raise FakeNVMLError("Not Supported")
-        return SimpleNamespace(total=(24 << 30) * (handle + 1), free=(20 << 30) * (handle + 1))
-
-    extra = {} if cuda is None else {"nvmlSystemGetCudaDriverVersion": cuda_version}
-    return SimpleNamespace(
-        **extra,
-        calls=calls,
-        NVMLError=FakeNVMLError,
-        nvmlInit=init,
-        nvmlShutdown=lambda: calls.append("shutdown"),
-        nvmlSystemGetDriverVersion=lambda: "550.54.15",
-        nvmlDeviceGetCount=lambda: 2,
-        nvmlDeviceGetHandleByIndex=lambda i: i,
-        nvmlDeviceGetName=lambda h: f"NVIDIA RTX {4090 - h * 10}".encode(),
-        nvmlDeviceGetUUID=lambda h: f"GPU-{h}",
-        nvmlDeviceGetMemoryInfo=memory_info,
-        nvmlDeviceGetCudaComputeCapability=lambda h: (8, 9),
+) -> FakeNvml:
+    """A FAKE NVML (``fakes.fake_pynvml``) for a machine with two GPUs whose names come back
+    as bytes, the way old bindings return them; ``memory=False``: no memory info; ``cuda``:
+    the driver's CUDA version as NVML gives it, an error to raise, or None for bindings
+    without ``nvmlSystemGetCudaDriverVersion``."""
+    gpus = [
+        FakeGpu(
+            name=f"NVIDIA RTX {4090 - h * 10}",
+            uuid=f"GPU-{h}",
+            memory_total=(24 << 30) * (h + 1) if memory else None,
+            memory_used=(4 << 30) * (h + 1) if memory else None,
+            compute_capability=(8, 9),
+        )
+        for h in range(2)
+    ]
+    return FakeNvml(
+        gpus, "550.54.15", fail_init=fail_init, bytes_names=True, cuda_driver_version=cuda
     )
 
 
@@ -182,7 +156,7 @@ def test_nvml_without_the_library_is_none(monkeypatch: pytest.MonkeyPatch) -> No
     assert nvidia.from_nvml() is None
 
 
-@pytest.mark.parametrize("cuda", [None, FakeNVMLError("Function Not Found"), 0])
+@pytest.mark.parametrize("cuda", [None, NVMLError("Function Not Found"), 0])
 def test_nvml_that_cannot_say_the_cuda_version_leaves_it_unknown(
     monkeypatch: pytest.MonkeyPatch, cuda: int | Exception | None
 ) -> None:
@@ -214,3 +188,125 @@ def test_cuda_version_from_the_q_report_and_garbage() -> None:
     assert nvidia.parse_cuda_version("CUDA Version                              : 11.7") == "11.7"
     assert nvidia.parse_cuda_version("No devices were found") == ""
     assert nvidia.parse_cuda_version("") == ""
+
+
+# ------------------------------------------------------------------------- telemetry
+
+S = GpuSample
+RTX2080_FIELDS = (
+    "power.limit", "power.min_limit", "power.max_limit", "memory.total", "vbios_version",
+    "driver_version", "name", "gpu_uuid", "power.draw", "temperature.gpu", "temperature.memory",
+    "clocks.current.graphics", "clocks.sm", "clocks.mem", "utilization.gpu",
+    "utilization.memory", "fan.speed", "pcie.link.width.current", "pstate",
+)  # fmt: skip
+
+
+def test_telemetry_from_the_recorded_v100_query() -> None:
+    """Header with units, no power columns (None), GPU 6 busy."""
+    samples = nvidia.parse_nvidia_smi_telemetry(read("nvidia_smi_v100x8.csv"))
+    assert [s.index for s in samples] == list(range(8))
+    assert samples[6] == S(
+        index=6,
+        name="Tesla V100-SXM2-32GB",
+        utilization_percent=100,
+        memory_used_bytes=13928 * MIB,
+        memory_total_bytes=32768 * MIB,
+        temperature_celsius=51,
+    )
+    assert samples[5].memory_total_bytes == 32764 * MIB
+    assert samples[0].memory_free_bytes == (32768 - 4) * MIB
+
+
+def test_telemetry_from_a_recorded_noheader_query_with_power() -> None:
+    """No header (the query's field list names the columns), gpu_uuid, no index or used."""
+    [sample] = nvidia.parse_nvidia_smi_telemetry(
+        read("nvidia_smi_power_rtx2080_noheader.csv"), RTX2080_FIELDS
+    )
+    assert sample == S(
+        index=0,
+        uuid="GPU-22b2c6ac-2d49-4863-197c-9c469071178a",
+        name="GeForce RTX 2080",
+        utilization_percent=86,
+        memory_total_bytes=7979 * MIB,
+        temperature_celsius=45,
+        power_watts=176.98,
+        power_limit_watts=200,
+    )
+
+
+def test_telemetry_of_shoals_own_query_with_placeholders() -> None:
+    # Constructed in the form nvidia-smi prints Shoal's query (SMI_TELEMETRY_FIELDS, header,
+    # nounits); GPU 1 is a unified-memory part that knows neither its memory nor its cap.
+    text = (
+        "index, uuid, name, utilization.gpu [%], memory.used [MiB], memory.total [MiB], "
+        "temperature.gpu, power.draw [W], power.limit [W]\n"
+        "0, GPU-a, NVIDIA H100 80GB HBM3, 37, 72790, 81559, 39, 145.21, 700.00\n"
+        "1, GPU-b, NVIDIA GB10, 0, [N/A], [N/A], 41, 5.04, [N/A]\n"
+    )
+    assert nvidia.parse_nvidia_smi_telemetry(text) == (
+        S(index=0, uuid="GPU-a", name="NVIDIA H100 80GB HBM3", utilization_percent=37,
+          memory_used_bytes=72790 * MIB, memory_total_bytes=81559 * MIB,
+          temperature_celsius=39, power_watts=145.21, power_limit_watts=700),
+        S(index=1, uuid="GPU-b", name="NVIDIA GB10", utilization_percent=0,
+          temperature_celsius=41, power_watts=5.04),
+    )  # fmt: skip
+    assert nvidia.smi_command(nvidia.SMI_TELEMETRY_FIELDS)[1] == (
+        "--query-gpu=index,uuid,name,utilization.gpu,memory.used,memory.total,"
+        "temperature.gpu,power.draw,power.limit"
+    )
+
+
+@pytest.mark.parametrize(
+    "text", ["", "NVIDIA-SMI has failed because it couldn't communicate with the driver.", "a,b"]
+)
+def test_telemetry_of_error_text_is_empty(text: str) -> None:
+    assert nvidia.parse_nvidia_smi_telemetry(text) == ()
+
+
+H100 = FakeGpu(
+    "NVIDIA H100 80GB HBM3",
+    "GPU-h100",
+    memory_total=81559 * MIB,
+    memory_used=72790 * MIB,
+    utilization=37,
+    temperature=39,
+    power_mw=145_210,
+    power_limit_mw=700_000,
+)
+
+
+def h100(**unsupported: None) -> FakeGpu:
+    """``H100`` with the readings named here unsupported."""
+    return dataclasses.replace(H100, **unsupported)
+
+
+def test_nvml_sample_reads_each_gpu_through_its_handle() -> None:
+    fake = FakeNvml([h100()], bytes_names=True)
+    gpu = nvidia.nvml_gpu(fake, 0)
+    assert gpu == nvidia.NvmlGpu(handle=0, name="NVIDIA H100 80GB HBM3", uuid="GPU-h100")
+    assert nvidia.nvml_sample(fake, 0, gpu) == S(
+        index=0,
+        uuid="GPU-h100",
+        name="NVIDIA H100 80GB HBM3",
+        utilization_percent=37,
+        memory_used_bytes=72790 * MIB,
+        memory_total_bytes=81559 * MIB,
+        temperature_celsius=39,
+        power_watts=145.21,  # NVML's milliwatts
+        power_limit_watts=700,
+    )
+
+
+def test_a_reading_nvml_does_not_support_is_none_and_the_rest_stay() -> None:
+    fake = FakeNvml([h100(memory_total=None, memory_used=None, power_limit_mw=None)])
+    gpu = nvidia.nvml_gpu(fake, 0)
+    assert gpu is not None
+    sample = nvidia.nvml_sample(fake, 0, gpu)
+    assert (sample.memory_used_bytes, sample.memory_total_bytes) == (None, None)
+    assert sample.power_limit_watts is None
+    assert (sample.utilization_percent, sample.temperature_celsius) == (37, 39)
+    assert sample.power_watts == 145.21
+
+
+def test_a_gpu_without_a_handle_has_none() -> None:
+    assert nvidia.nvml_gpu(FakeNvml([h100()]), 1) is None

@@ -142,6 +142,39 @@ def test_hardware_models_and_memory_messages_round_trip() -> None:
     assert decode_router_message(encode(reg)) == reg
 
 
+def test_a_heartbeat_carries_each_gpus_telemetry() -> None:
+    from shoal.protocol.messages import PROTOCOL_VERSION, BackendState, GpuSample, Heartbeat
+
+    busy = GpuSample(
+        index=0,
+        uuid="GPU-1",
+        name="NVIDIA H100 80GB HBM3",
+        utilization_percent=37.0,
+        memory_used_bytes=72790 << 20,
+        memory_total_bytes=81559 << 20,
+        temperature_celsius=39.0,
+        power_watts=145.2,
+        power_limit_watts=700.0,
+    )
+    unknown = GpuSample(index=1)  # a GPU whose tool said nothing but that it is there
+    beat = Heartbeat(
+        state=BackendState.READY,
+        running_jobs=1,
+        ram_available_bytes=5,
+        gpu_free_bytes=(8769 << 20, None),
+        gpu_telemetry=(busy, unknown),
+    )
+    assert decode_worker_message(encode(beat)) == beat
+    assert busy.memory_free_bytes == 8769 << 20 and unknown.memory_free_bytes is None
+    # A v7 router forbids the new field, so the version says it: it refuses v8 workers.
+    assert PROTOCOL_VERSION >= 8
+    with pytest.raises(ValidationError):
+        decode_worker_message(
+            '{"type": "heartbeat", "state": "ready", "running_jobs": 0,'
+            ' "ram_available_bytes": 1, "gpu_telemetry": [{"index": 0, "fan_percent": 30}]}'
+        )
+
+
 def test_a_shard_start_carries_the_pinned_file() -> None:
     pinned = ModelFile(
         source="m",

@@ -1,4 +1,5 @@
-"""Cluster-wide views: ``/health``, ``queued`` in ``/v1/models`` and ``shoal_queue_depth``.
+"""Cluster-wide views: ``/health``, ``queued`` in ``/v1/models``, ``shoal_queue_depth``, and
+the workers' GPU telemetry in ``/api/v1/workers`` and the ``shoal_gpu_*`` gauges.
 
 Two routers' apps (``build_app`` with ``--redis-url``) on the real Redis at 127.0.0.1:6379,
 under this test's own key prefix, with their dispatchers running; workers are real
@@ -27,10 +28,12 @@ from shoal.protocol.messages import (
     CacheChanged,
     Endpoint,
     Hardware,
+    Heartbeat,
     ModelInfo,
     Register,
 )
 from shoal.protocol.prefix import prefix_chain
+from shoal.protocol.telemetry import GpuSample
 from shoal.queue import events
 from shoal.queue.redis_keys import RedisKeys
 from shoal.queue.redis_streams import RedisJobQueue
@@ -261,6 +264,7 @@ class PullEntry:
     def __init__(self, redis: aioredis.Redis, prefix: str, name: str) -> None:
         self.cached: tuple[int, ...] = ()
         self.running = 0
+        self.gpus: tuple[GpuSample, ...] = ()
         self.consumer = consumer_name(name)
         self.register = Register(
             protocol_version=PROTOCOL_VERSION,
@@ -285,6 +289,7 @@ class PullEntry:
             connected_at=0.0,
             consumer=self.consumer,
             cached_blocks=self.cached,
+            gpu_telemetry=self.gpus,
         )
 
 
@@ -368,3 +373,113 @@ async def test_a_router_reads_the_worker_list_as_a_job_it_sent_ends(
         assert job.state.finished
         task.cancel()
     await redis.aclose()
+
+
+# ------------------------------------------------------------------ GPU telemetry
+
+H100 = GpuSample(
+    index=0,
+    uuid="GPU-0",
+    name="NVIDIA H100 80GB HBM3",
+    utilization_percent=37.0,
+    memory_used_bytes=72790 << 20,
+    memory_total_bytes=81559 << 20,
+    temperature_celsius=39.0,
+    power_watts=145.0,
+    power_limit_watts=700.0,
+)
+
+
+def beat(dispatcher: Dispatcher, worker: WorkerConnection, *gpus: GpuSample) -> None:
+    """``worker``'s heartbeat, as the router's worker side receives it."""
+    message = Heartbeat(
+        state=BackendState.READY, running_jobs=0, ram_available_bytes=1, gpu_telemetry=gpus
+    )
+    dispatcher.workers.on_message(worker, message)
+
+
+def gpu_series(exposition: str) -> dict[tuple[str, str, str], float]:
+    """``(gauge, worker, gpu) -> value`` of the ``shoal_gpu_*`` samples."""
+    return {
+        (s.name, s.labels["worker"], s.labels["gpu"]): s.value
+        for family in text_string_to_metric_families(exposition)
+        for s in family.samples
+        if s.name.startswith("shoal_gpu_")
+    }
+
+
+async def test_a_router_shows_each_gpu_of_its_workers_as_their_last_heartbeat_said(
+    tmp_path: Path,
+) -> None:
+    """Gauges built at scrape time from each worker's latest heartbeat, labelled by its name
+    (its id where two share a name); the worker list carries the samples; a worker that
+    leaves takes its series with it."""
+    settings = RouterSettings(database_url=f"sqlite:///{tmp_path}/keys.db")
+    router = RouterApp(build_app(settings))
+    dispatcher = router.ctx.dispatcher
+    cpu, rig = worker_connection("cpu-box"), worker_connection("rig")
+    twins = [worker_connection("twin", worker_id=f"twin-{n}") for n in (1, 2)]
+    try:
+        for worker in (cpu, rig, *twins):
+            dispatcher.workers.on_registered(worker)
+            beat(dispatcher, worker)  # no GPU: nothing
+        beat(dispatcher, rig, H100.model_copy(update={"power_watts": 90.0}))
+        beat(dispatcher, rig, H100, GpuSample(index=1, temperature_celsius=30.0))
+        for twin in twins:
+            beat(dispatcher, twin, H100)
+        series = gpu_series(await router.get("/metrics"))
+        listed = {w["name"] + w["id"]: w for w in (await router.get("/api/v1/workers"))["data"]}
+        dispatcher.workers.on_lost(rig, "test")
+        after = gpu_series(await router.get("/metrics"))
+    finally:
+        await router.client.aclose()
+        await router.ctx.accounting.limiter.close()
+        if router.ctx.store is not None:
+            router.ctx.store.close()
+    assert series[("shoal_gpu_power_watts", "rig", "0")] == 145  # the latest heartbeat's
+    assert series[("shoal_gpu_utilization_ratio", "rig", "0")] == 0.37
+    assert series[("shoal_gpu_temperature_celsius", "rig", "1")] == 30
+    assert ("shoal_gpu_power_watts", "rig", "1") not in series  # unknown: no series
+    assert {w for _, w, _ in series} == {"rig", "twin-1", "twin-2"}
+    assert listed["rigrig"]["gpu_telemetry"] == [
+        H100.model_dump(mode="json"),
+        GpuSample(index=1, temperature_celsius=30.0).model_dump(mode="json"),
+    ]
+    assert listed["cpu-boxcpu-box"]["gpu_telemetry"] == []
+    assert {w for _, w, _ in after} == {"twin-1", "twin-2"}
+
+
+async def test_gpu_telemetry_rides_the_worker_list_and_each_router_gauges_its_own(
+    routers: Callable[[], RouterApp], redis_prefix: str
+) -> None:
+    """With Redis, every router lists every worker's GPUs (its router's and pull workers'
+    entries carry them); each router's gauges are its own workers', as ``shoal_workers``."""
+    a, b = routers(), routers()
+    redis = aioredis.Redis(host="127.0.0.1", port=6379)
+    pull = PullEntry(redis, redis_prefix, "p1")
+    pull.gpus = (H100.model_copy(update={"name": "AMD Instinct MI300X"}),)
+    rig = connect(a.dispatcher, "rig")
+    beat(a.dispatcher, rig, H100)
+    async with asyncio.TaskGroup() as tg:
+        task = tg.create_task(pull.presence.run())
+        a.dispatcher.directory.changed()
+
+        async def telemetry(router: RouterApp) -> dict[str, object]:
+            workers = (await router.get("/api/v1/workers"))["data"]
+            return {w["name"]: w["gpu_telemetry"] for w in workers}
+
+        async def listed() -> bool:
+            return len(await telemetry(b)) == 2 and len(await telemetry(a)) == 2
+
+        async with asyncio.timeout(WAIT_S):
+            while not await listed():
+                await asyncio.sleep(0.05)
+        for router in (a, b):
+            assert await telemetry(router) == {
+                "rig": [H100.model_dump(mode="json")],
+                "p1": [pull.gpus[0].model_dump(mode="json")],
+            }
+        task.cancel()
+    await redis.aclose()
+    assert {w for _, w, _ in gpu_series(await a.get("/metrics"))} == {"rig"}
+    assert gpu_series(await b.get("/metrics")) == {}

@@ -1,4 +1,5 @@
-"""The worker's use of the detected hardware: wire form, --gpu-devices, llama-server devices."""
+"""The worker's use of the detected hardware: wire form, --gpu-devices, llama-server devices,
+and what its heartbeats read."""
 
 from __future__ import annotations
 
@@ -6,10 +7,13 @@ import re
 
 import pytest
 
+from fakes.fake_pynvml.pynvml import FakeGpu, FakeNvml
 from shoal.hardware.profile import Accelerator, CpuInfo, GpuDevice, MachineProfile
+from shoal.hardware.telemetry import NO_GPUS, sampler_for
 from shoal.llama_cpp.devices import ComputeDevice
 from shoal.worker.hardware import (
     HardwareError,
+    MemoryProbe,
     device_args,
     device_environment,
     device_names,
@@ -80,3 +84,42 @@ def test_a_stage_offers_its_gpus_free_memory_or_none_on_the_cpu() -> None:
     assert stage_memory(no_tool, None, LISTED) == 30 * GIB  # as llama.cpp listed it
     assert device_names(TWO_CUDA, "1,0") == ("CUDA1", "CUDA0")
     assert device_names(TWO_CUDA, None) is None
+
+
+# ------------------------------------------------------------------ heartbeats' readings
+
+
+async def test_a_reading_carries_telemetry_and_takes_free_memory_from_it() -> None:
+    """The GPUs' telemetry (NVML: a FAKE, there is no NVIDIA GPU here) is read once per
+    heartbeat and its memory figures are the free memory the heartbeat reports."""
+    fake = FakeNvml(
+        [
+            FakeGpu("NVIDIA RTX 4090", "GPU-a", 24 * GIB, 20 * GIB, 97, 71, 430_000, 450_000),
+            FakeGpu("NVIDIA RTX 3060", "GPU-b", 12 * GIB, 1 * GIB, 3, 40, 20_000, 170_000),
+        ]
+    )
+    loads: list[int] = []
+
+    def load() -> FakeNvml:
+        loads.append(1)
+        return fake
+
+    probe = MemoryProbe(TWO_CUDA, sampler=sampler_for(TWO_CUDA.gpus, load_nvml=load))
+    for _ in range(2):
+        reading = await probe.read()
+        assert reading.gpu_free_bytes == (4 * GIB, 11 * GIB)  # not the profile's 24 and 8
+        assert [(g.index, g.name, g.utilization_percent, g.power_watts) for g in reading.gpus] == [
+            (0, "NVIDIA RTX 4090", 97, 430.0),
+            (1, "NVIDIA RTX 3060", 3, 20.0),
+        ]
+        assert reading.ram_available_bytes > 0
+    assert [g.memory_free_bytes for g in probe.profile.gpus] == [4 * GIB, 11 * GIB]
+    assert loads == [1]  # NVML initialised once for the life of the probe
+
+
+async def test_a_machine_without_gpus_reads_no_telemetry() -> None:
+    cpu_only = MachineProfile("box", "Linux", TWO_CUDA.cpu, 8 * GIB, 4 * GIB)
+    probe = MemoryProbe(cpu_only)
+    assert probe.sampler is NO_GPUS
+    reading = await probe.read()
+    assert (reading.gpus, reading.gpu_free_bytes) == ((), ())

@@ -29,12 +29,32 @@ from collections.abc import Mapping
 from typing import Any
 
 from shoal.hardware.profile import Accelerator, GpuDevice
+from shoal.protocol.telemetry import GpuSample
 
 log = logging.getLogger(__name__)
 
 AMD_SMI_STATIC = ("amd-smi", "static", "--asic", "--vram", "--driver", "--json")
 AMD_SMI_METRIC = ("amd-smi", "metric", "--mem-usage", "--json")
 ROCM_SMI = ("rocm-smi", "--showproductname", "--showmeminfo", "vram", "--json")
+AMD_SMI_TELEMETRY = (
+    "amd-smi",
+    "metric",
+    "--usage",
+    "--power",
+    "--temperature",
+    "--mem-usage",
+    "--json",
+)
+ROCM_SMI_TELEMETRY = (
+    "rocm-smi",
+    "--showuse",
+    "--showpower",
+    "--showmaxpower",
+    "--showtemp",
+    "--showmeminfo",
+    "vram",
+    "--json",
+)
 
 _UNITS = {"B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}
 _UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
@@ -171,11 +191,8 @@ def _rocm_device(index: int, card: Mapping[str, Any]) -> GpuDevice:
     )
 
 
-def parse_rocm_smi_json(text: str) -> list[GpuDevice]:
-    """GPUs from ``rocm-smi --showproductname --showmeminfo vram --json``; ``[]`` if unreadable.
-
-    Cards without VRAM keys (other ``--show`` options) get total 0 (unknown).
-    """
+def _cards(text: str) -> list[tuple[int, dict[str, Any]]]:
+    """``(index, card)`` for each ``cardN`` of ``rocm-smi --json`` output, by index."""
     document = _json(text)
     if not isinstance(document, dict):
         return []
@@ -184,4 +201,82 @@ def parse_rocm_smi_json(text: str) -> list[GpuDevice]:
         match = _CARD.match(key)
         if match and isinstance(card, dict):
             cards.append((int(match.group(1)), card))
-    return [_rocm_device(index, card) for index, card in sorted(cards, key=lambda c: c[0])]
+    return sorted(cards, key=lambda c: c[0])
+
+
+def parse_rocm_smi_json(text: str) -> list[GpuDevice]:
+    """GPUs from ``rocm-smi --showproductname --showmeminfo vram --json``; ``[]`` if unreadable.
+
+    Cards without VRAM keys (other ``--show`` options) get total 0 (unknown).
+    """
+    return [_rocm_device(index, card) for index, card in _cards(text)]
+
+
+# ------------------------------------------------------------------------- telemetry
+
+_ROCM_POWER_KEYS = (
+    "Current Socket Graphics Package Power (W)",
+    "Average Graphics Package Power (W)",
+)
+"""MI300 and later report the current socket power; older GPUs an average."""
+_ROCM_TEMPERATURE_KEYS = ("Temperature (Sensor edge) (C)", "Temperature (Sensor junction) (C)")
+"""The edge sensor, as NVIDIA's die temperature; MI300 has none and reports the junction."""
+
+
+def _reading(value: Any) -> float | None:
+    """A number from ``{"value": 45, "unit": "%"}``, ``45``, ``"45"`` or ``"45 %"``; None for
+    ``"N/A"`` (and ``"N/A (Secondary die)"``) and the like."""
+    if isinstance(value, dict):
+        return _reading(value.get("value"))
+    if isinstance(value, str):
+        value = value.strip().split(" ", 1)[0]
+    return _number(value)
+
+
+def _first(values: Any) -> float | None:
+    return next((v for v in values if v is not None), None)
+
+
+def _amd_sample(row: Mapping[str, Any]) -> GpuSample:
+    total, free = _memory(row)
+    used = amd_bytes(_section(row, "mem_usage").get("used_vram"))
+    if used is None and total is not None and free is not None:
+        used = total - free
+    temperature = _section(row, "temperature")
+    return GpuSample(
+        index=row["gpu"],
+        utilization_percent=_reading(_section(row, "usage").get("gfx_activity")),
+        memory_used_bytes=used,
+        memory_total_bytes=total,
+        temperature_celsius=_first(_reading(temperature.get(k)) for k in ("edge", "hotspot")),
+        power_watts=_reading(_section(row, "power").get("socket_power")),
+    )
+
+
+def parse_amd_smi_telemetry(text: str) -> tuple[GpuSample, ...]:
+    """Each GPU's telemetry in ``amd-smi metric --usage --power --temperature --mem-usage
+    --json`` output (any shape of the module docstring); sorted by index, ``()`` if unreadable.
+    amd-smi's ``metric`` gives no power cap (``static --limit`` does): that stays None."""
+    rows = sorted(_rows(_json(text)), key=lambda row: int(row["gpu"]))
+    return tuple(_amd_sample(row) for row in rows)
+
+
+def _rocm_sample(index: int, card: Mapping[str, Any]) -> GpuSample:
+    total = _rocm_int(card, "VRAM Total Memory (B)")
+    return GpuSample(
+        index=index,
+        uuid=str(card.get("Unique ID", "")).replace("N/A", ""),
+        name=str(card.get("Card Series") or card.get("Card series") or ""),
+        utilization_percent=_reading(card.get("GPU use (%)")),
+        memory_used_bytes=_rocm_int(card, "VRAM Total Used Memory (B)"),
+        memory_total_bytes=total,
+        temperature_celsius=_first(_reading(card.get(k)) for k in _ROCM_TEMPERATURE_KEYS),
+        power_watts=_first(_reading(card.get(k)) for k in _ROCM_POWER_KEYS),
+        power_limit_watts=_reading(card.get("Max Graphics Package Power (W)")),
+    )
+
+
+def parse_rocm_smi_telemetry(text: str) -> tuple[GpuSample, ...]:
+    """Each card's telemetry in ``rocm-smi --showuse --showpower --showmaxpower --showtemp
+    --showmeminfo vram --json`` output (or ``--showallinfo``); ``()`` if unreadable."""
+    return tuple(_rocm_sample(index, card) for index, card in _cards(text))

@@ -281,13 +281,20 @@ def refresh_free_memory(
     run: CommandRunner = run_tool,
     *,
     nvml_free: Callable[[], dict[int, int] | None] = nvidia.nvidia_free_bytes,
+    measured: Mapping[int, int] | None = None,
 ) -> MachineProfile:
     """``profile`` with current available RAM and GPU free memory (cheap; for heartbeats).
 
-    GPUs the tools no longer report keep their previous free value.
+    ``measured``: free memory per GPU index the caller just read (GPU telemetry); when it
+    covers every GPU no tool is asked again. GPUs the tools no longer report keep their
+    previous free value.
     """
     ram_available = int(psutil.virtual_memory().available)
-    free = _free_by_index(profile, run, ram_available, nvml_free) if profile.gpus else {}
+    indices = {g.index for g in profile.gpus}
+    if measured is not None and indices and indices <= measured.keys():
+        free = dict(measured)
+    else:
+        free = _free_by_index(profile, run, ram_available, nvml_free) if profile.gpus else {}
     gpus = tuple(
         dataclasses.replace(g, memory_free_bytes=free.get(g.index, g.memory_free_bytes))
         for g in profile.gpus

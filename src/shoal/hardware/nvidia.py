@@ -16,6 +16,11 @@ The CUDA version the driver supports is not a query field: NVML answers
 ``nvmlSystemGetCudaDriverVersion``, ``nvidia-smi`` prints it in its banner, ``CUDA Version:
 13.0`` up to driver 580 and ``CUDA UMD Version: 13.3`` from driver 610 on (the R610 release
 renamed it; ``nvidia-smi -q`` prints both spellings with spaces before the colon).
+
+Telemetry (``hardware.telemetry``): ``nvml_sample`` reads one GPU through a handle NVML gave
+once (``nvml_gpu``), each reading on its own, so one NVML refuses (``NotSupported``, a GPU
+lost) is None and the others stay; ``parse_nvidia_smi_telemetry`` reads the same from
+``nvidia-smi`` CSV when NVML is unusable.
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ import dataclasses
 import logging
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from shoal.hardware.profile import Accelerator, GpuDevice
+from shoal.protocol.telemetry import GpuSample
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +60,19 @@ SMI_BANNER = ("nvidia-smi",)
 """``nvidia-smi`` alone: its banner names the driver and the CUDA version it supports."""
 
 _CUDA_VERSION = re.compile(r"CUDA(?: UMD)? Version\s*:\s*(\d+)\.(\d+)")
+
+SMI_TELEMETRY_FIELDS = (
+    "index",
+    "uuid",
+    "name",
+    "utilization.gpu",
+    "memory.used",
+    "memory.total",
+    "temperature.gpu",
+    "power.draw",
+    "power.limit",
+)
+"""What ``nvidia-smi`` is asked for heartbeats when NVML is unusable (every driver knows them)."""
 
 _ALIASES = {"gpu_name": "name", "gpu_uuid": "uuid", "gpu_index": "index"}
 _UNKNOWN_PREFIX = ("[", "N/A")
@@ -107,11 +127,15 @@ def _free(row: Mapping[str, str], total: int | None) -> int | None:
     return total - used if total is not None and used is not None else None
 
 
+def _index(row: Mapping[str, str], position: int) -> int:
+    text = _text(row, "index")
+    return int(text) if text.isdigit() else position
+
+
 def _device(row: Mapping[str, str], position: int) -> GpuDevice:
-    index_text = _text(row, "index")
     total = _mib(row.get("memory.total", ""))
     return GpuDevice(
-        index=int(index_text) if index_text.isdigit() else position,
+        index=_index(row, position),
         name=_text(row, "name") or f"NVIDIA GPU {position}",
         accelerator=Accelerator.CUDA,
         memory_total_bytes=total or 0,
@@ -122,13 +146,10 @@ def _device(row: Mapping[str, str], position: int) -> GpuDevice:
     )
 
 
-def parse_nvidia_smi_csv(text: str, fields: Sequence[str] = SMI_FIELDS) -> list[GpuDevice]:
-    """GPUs in ``nvidia-smi --query-gpu=... --format=csv[,noheader][,nounits]`` output.
-
-    A header line, when present, names the columns; otherwise ``fields`` does (the query's
-    field list, in order). Rows whose cell count does not match are skipped (logged at
-    debug), so error text, empty output and garbage give ``[]``. Sorted by index.
-    """
+def _rows(text: str, fields: Sequence[str]) -> list[tuple[int, dict[str, str]]]:
+    """``(position, column -> cell)`` per row of ``--format=csv`` output; a header line, when
+    present, names the columns, otherwise ``fields`` does. Rows whose cell count does not
+    match are skipped (logged at debug)."""
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         return []
@@ -137,13 +158,24 @@ def parse_nvidia_smi_csv(text: str, fields: Sequence[str] = SMI_FIELDS) -> list[
         columns = [_column(f) for f in fields]
     else:
         lines = lines[1:]
-    devices = []
+    rows = []
     for position, line in enumerate(lines):
         cells = [c.strip() for c in line.split(",")]
         if len(cells) != len(columns):
             log.debug("nvidia-smi: skipping row %r (expected %d columns)", line, len(columns))
             continue
-        devices.append(_device(dict(zip(columns, cells, strict=True)), position))
+        rows.append((position, dict(zip(columns, cells, strict=True))))
+    return rows
+
+
+def parse_nvidia_smi_csv(text: str, fields: Sequence[str] = SMI_FIELDS) -> list[GpuDevice]:
+    """GPUs in ``nvidia-smi --query-gpu=... --format=csv[,noheader][,nounits]`` output.
+
+    A header line, when present, names the columns; otherwise ``fields`` does (the query's
+    field list, in order). Rows whose cell count does not match are skipped (logged at
+    debug), so error text, empty output and garbage give ``[]``. Sorted by index.
+    """
+    devices = [_device(row, position) for position, row in _rows(text, fields)]
     return sorted(devices, key=lambda d: d.index)
 
 
@@ -156,6 +188,42 @@ def parse_cuda_version(text: str) -> str:
 def with_cuda_version(devices: list[GpuDevice], cuda_version: str) -> list[GpuDevice]:
     """``devices`` with the driver's CUDA version filled in (it is the same for every GPU)."""
     return [dataclasses.replace(d, cuda_version=cuda_version) for d in devices]
+
+
+def _quantity(cell: str) -> float | None:
+    """``"61"``, ``"100 %"``, ``"120.50 W"`` as a finite number; None for placeholders."""
+    number = cell.strip().split(" ", 1)[0]
+    if _unknown(number):
+        return None
+    try:
+        value = float(number)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _telemetry(row: Mapping[str, str], position: int) -> GpuSample:
+    return GpuSample(
+        index=_index(row, position),
+        uuid=_text(row, "uuid"),
+        name=_text(row, "name"),
+        utilization_percent=_quantity(row.get("utilization.gpu", "")),
+        memory_used_bytes=_mib(row.get("memory.used", "")),
+        memory_total_bytes=_mib(row.get("memory.total", "")),
+        temperature_celsius=_quantity(row.get("temperature.gpu", "")),
+        power_watts=_quantity(row.get("power.draw", "")),
+        power_limit_watts=_quantity(row.get("power.limit", "")),
+    )
+
+
+def parse_nvidia_smi_telemetry(
+    text: str, fields: Sequence[str] = SMI_TELEMETRY_FIELDS
+) -> tuple[GpuSample, ...]:
+    """Each GPU's telemetry in ``nvidia-smi --query-gpu=...`` CSV (any column order, with or
+    without header and units, as ``parse_nvidia_smi_csv``); a column the query lacks, or a
+    ``[N/A]`` cell, is None. Sorted by index; ``()`` for error text or garbage."""
+    samples = [_telemetry(row, position) for position, row in _rows(text, fields)]
+    return tuple(sorted(samples, key=lambda s: s.index))
 
 
 # ----------------------------------------------------------------------------- NVML
@@ -209,7 +277,7 @@ def _nvml_device(nvml: Any, index: int, driver: str, cuda_version: str) -> GpuDe
     )
 
 
-def _load_nvml() -> Any:
+def load_nvml() -> Any:
     """The initialised ``pynvml`` module, or None when the library or the driver is absent."""
     try:
         import pynvml
@@ -233,7 +301,7 @@ def _shutdown(nvml: Any) -> None:
 
 def from_nvml() -> list[GpuDevice] | None:
     """Every NVIDIA GPU as NVML sees it; None when NVML is unusable (then try nvidia-smi)."""
-    nvml = _load_nvml()
+    nvml = load_nvml()
     if nvml is None:
         return None
     try:
@@ -254,3 +322,66 @@ def nvidia_free_bytes() -> dict[int, int] | None:
     if devices is None:
         return None
     return {d.index: d.memory_free_bytes for d in devices if d.memory_free_bytes is not None}
+
+
+# ------------------------------------------------------------------ NVML telemetry
+
+MW_PER_W = 1000
+
+
+@dataclass(frozen=True)
+class NvmlGpu:
+    """A GPU's NVML handle and identity, looked up once and kept (they do not change)."""
+
+    handle: Any
+    name: str
+    uuid: str
+
+
+def _nvml_read(nvml: Any, call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``, or None when NVML cannot say (NotSupported, GPU lost, ...)."""
+    try:
+        return call(*args)
+    except nvml.NVMLError as exc:
+        log.debug("NVML: %s failed: %s", getattr(call, "__name__", call), exc)
+        return None
+
+
+def _nvml_text(nvml: Any, call: Callable[..., Any], handle: Any) -> str:
+    value = _nvml_read(nvml, call, handle)
+    return "" if value is None else _decode(value)
+
+
+def nvml_gpu(nvml: Any, index: int) -> NvmlGpu | None:
+    """GPU ``index``'s handle, name and UUID; None when NVML cannot give its handle."""
+    handle = _nvml_read(nvml, nvml.nvmlDeviceGetHandleByIndex, index)
+    if handle is None:
+        return None
+    return NvmlGpu(
+        handle=handle,
+        name=_nvml_text(nvml, nvml.nvmlDeviceGetName, handle),
+        uuid=_nvml_text(nvml, nvml.nvmlDeviceGetUUID, handle),
+    )
+
+
+def _watts(milliwatts: Any) -> float | None:
+    return None if milliwatts is None else int(milliwatts) / MW_PER_W
+
+
+def nvml_sample(nvml: Any, index: int, gpu: NvmlGpu) -> GpuSample:
+    """GPU ``index`` now, through its cached handle; a reading NVML refuses is None."""
+    handle = gpu.handle
+    memory = _nvml_read(nvml, nvml.nvmlDeviceGetMemoryInfo, handle)
+    rates = _nvml_read(nvml, nvml.nvmlDeviceGetUtilizationRates, handle)
+    celsius = _nvml_read(nvml, nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU)
+    return GpuSample(
+        index=index,
+        uuid=gpu.uuid,
+        name=gpu.name,
+        utilization_percent=None if rates is None else float(rates.gpu),
+        memory_used_bytes=None if memory is None else int(memory.used),
+        memory_total_bytes=None if memory is None else int(memory.total),
+        temperature_celsius=None if celsius is None else float(celsius),
+        power_watts=_watts(_nvml_read(nvml, nvml.nvmlDeviceGetPowerUsage, handle)),
+        power_limit_watts=_watts(_nvml_read(nvml, nvml.nvmlDeviceGetEnforcedPowerLimit, handle)),
+    )

@@ -31,10 +31,12 @@ from shoal.protocol.shards import (
     ShardStop,
     TunnelDial,
 )
+from shoal.protocol.telemetry import GpuSample
 
 PROTOCOL_VERSION = 8
 """Bumped on any incompatible change; a router refuses workers that speak another version.
-8: ``Register.gpus_unused`` (a worker whose llama.cpp build drives none of its GPUs says so).
+8: ``Heartbeat.gpu_telemetry`` (utilization, memory, temperature and power per GPU) and
+``Register.gpus_unused`` (a worker whose llama.cpp build drives none of its GPUs says so).
 7: ``StateChanged.backend_url`` (a restarted llama-server listens on a new port).
 6: ``Continuation.logprobs`` (a non-streamed answer's earlier log-probabilities).
 5: chunks carry token ids (resuming answers); ``ShardStart`` names the stage's layers and the
@@ -186,6 +188,8 @@ class Heartbeat(Message):
     """``Register.stage_memory_bytes``, now."""
     cached_blocks: tuple[int, ...] = Field((), max_length=MAX_CACHED_BLOCKS)
     """``CacheChanged.blocks``, now."""
+    gpu_telemetry: tuple[GpuSample, ...] = ()
+    """Each GPU's utilization, memory, temperature and power (``protocol.telemetry``)."""
 
 
 class CacheChanged(Message):
@@ -461,6 +465,7 @@ __all__ = [
     "Endpoint",
     "ErrorBody",
     "GpuInfo",
+    "GpuSample",
     "IMAGE_ENDPOINTS",
     "TEXT_ENDPOINTS",
     "Hardware",

@@ -4,8 +4,9 @@ Two kinds of metrics, kept apart so nothing has to be kept in sync:
 
 * **Events** (requests, first tokens, inter-token gaps, tokens, queue waits, finished jobs)
   are counted by explicit calls from the request path, each O(1).
-* **State** (queue depth, workers by state, free slots, deployment shards) is read at scrape
-  time from a ``Snapshot`` that a callback builds from the live registry and dispatcher.
+* **State** (queue depth, workers by state, free slots, deployment shards, GPU telemetry) is
+  read at scrape time from a ``Snapshot`` that a callback builds from the live registry and
+  dispatcher.
   With Redis, workers and free slots are this router's own (each router is scraped, so the
   cluster's are the sum over routers), while the queue depth is the cluster's (the same on
   every router); ``/health`` and ``/v1/models`` show the cluster's workers.
@@ -24,7 +25,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -38,6 +39,8 @@ from prometheus_client.metrics_core import (
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shoal.protocol.messages import BackendState
+from shoal.protocol.telemetry import GpuSample
+from shoal.router.gpu_metrics import gpu_families
 
 # Buckets (upper bounds, seconds). Prometheus histograms are only as good as their buckets:
 # each range covers what a user of a small self-hosted cluster can see, with finer steps
@@ -145,6 +148,8 @@ class Snapshot:
     tunnel_bytes: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     """Deployment -> bytes its RPC tunnels carried through this router (to the stages, to
     the head), since this router started running it."""
+    gpus: Mapping[str, Sequence[GpuSample]] = field(default_factory=dict)
+    """Worker label -> its GPUs' latest telemetry (``gpu_metrics``: this router's workers)."""
 
 
 SnapshotSource = Callable[[], Snapshot]
@@ -261,6 +266,7 @@ class _ScrapeCollector:
             tunnel.add_metric([deployment, "to_stages"], to_stages)
             tunnel.add_metric([deployment, "to_head"], to_head)
         yield tunnel
+        yield from gpu_families(snap.gpus)
         for histogram in self.histograms:
             yield histogram.family()
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from shoal.protocol.telemetry import GpuSample
 from shoal.router.deployments.controller import Deployments
 from shoal.router.deployments.deployment import TunnelBytes
 from shoal.router.dispatch.interface import Dispatcher
+from shoal.router.gpu_metrics import worker_labels
 from shoal.router.metrics import Snapshot
 from shoal.router.workers import Registry
 
@@ -35,7 +37,15 @@ def snapshot(registry: Registry, dispatcher: Dispatcher, deployments: Deployment
         shards=shards,
         key_queue_depth=dict(dispatcher.waiting_by_key()),
         tunnel_bytes={name: _pair(deployments.tunnels.traffic(name)) for name in relayed},
+        gpus=_gpus(registry),
     )
+
+
+def _gpus(registry: Registry) -> dict[str, tuple[GpuSample, ...]]:
+    """Each worker's GPU telemetry by its ``worker`` label (``gpu_metrics.worker_labels``)."""
+    reporting = [w for w in registry if w.gpu_telemetry]
+    labels = worker_labels((w.id, w.name) for w in reporting)
+    return {labels[w.id]: w.gpu_telemetry for w in reporting}
 
 
 def _pair(t: TunnelBytes) -> tuple[int, int]:

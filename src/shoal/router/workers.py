@@ -24,6 +24,7 @@ from shoal.protocol.messages import (
     Register,
     encode,
 )
+from shoal.protocol.telemetry import GpuSample
 from shoal.router.dispatch.job import Job
 from shoal.router.dispatch.scheduler import WorkerLoad
 
@@ -65,6 +66,8 @@ class WorkerConnection:
     connected_at: float = field(default_factory=time.time)
     ram_available_bytes: int = 0
     gpu_free_bytes: tuple[int | None, ...] = ()
+    gpu_telemetry: tuple[GpuSample, ...] = ()
+    """Each GPU's utilization, memory, temperature and power, as of its last heartbeat."""
     stage_memory_bytes: int | None = None
     """What a split model's stage may hold here (``Register.stage_memory_bytes``)."""
     no_shards: str | None = None
@@ -101,9 +104,11 @@ class WorkerConnection:
         return conn
 
     def on_heartbeat(self, msg: Heartbeat) -> None:
-        """The memory figures a heartbeat refreshes (the caller handles its state)."""
+        """The memory figures and GPU telemetry a heartbeat refreshes (the caller handles its
+        state)."""
         self.ram_available_bytes = msg.ram_available_bytes
         self.gpu_free_bytes = msg.gpu_free_bytes
+        self.gpu_telemetry = msg.gpu_telemetry
         self.stage_memory_bytes = msg.stage_memory_bytes
         self.set_cached(msg.cached_blocks)
 
@@ -189,6 +194,7 @@ class WorkerConnection:
             "hardware": self.hardware.model_dump(mode="json"),
             "ram_available_bytes": self.ram_available_bytes,
             "gpu_free_bytes": list(self.gpu_free_bytes),
+            "gpu_telemetry": [g.model_dump(mode="json") for g in self.gpu_telemetry],
             "stage_memory_bytes": self.stage_memory_bytes,
             "gpus_unused": self.gpus_unused,
             "backend_url": self.backend_url,

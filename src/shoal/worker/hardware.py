@@ -1,11 +1,14 @@
-"""The worker's view of its machine: detected once, reported at registration, memory refreshed
-for heartbeats, and turned into llama-server's device arguments."""
+"""The worker's view of its machine: detected once, reported at registration, memory and GPU
+telemetry refreshed for heartbeats, and turned into llama-server's device arguments."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+from dataclasses import dataclass
 
+from shoal.hardware import telemetry
 from shoal.hardware.detect import (
     detect_machine,
     device_env,
@@ -15,12 +18,14 @@ from shoal.hardware.detect import (
     split_args,
 )
 from shoal.hardware.profile import MachineProfile
+from shoal.hardware.telemetry import GpuSampler, sampler_for
 from shoal.llama_cpp.backend import BackendChoice
 from shoal.llama_cpp.binaries import Binaries
 from shoal.llama_cpp.coverage import unused_gpus
 from shoal.llama_cpp.devices import ComputeDevice, list_devices
 from shoal.llama_cpp.errors import LlamaCppError
 from shoal.protocol.messages import GpuInfo, Hardware
+from shoal.protocol.telemetry import GpuSample
 
 log = logging.getLogger(__name__)
 
@@ -139,26 +144,52 @@ def stage_memory(
     return sum(d.free_bytes for d in listed)
 
 
+@dataclass(frozen=True)
+class Reading:
+    """What a heartbeat reports of the machine, read at once."""
+
+    ram_available_bytes: int
+    gpu_free_bytes: tuple[int | None, ...]
+    """Free memory per GPU of ``Hardware.gpus``, in order (None where unknown)."""
+    gpus: tuple[GpuSample, ...]
+    """Each GPU's telemetry (``Heartbeat.gpu_telemetry``); () with no GPU to read."""
+
+
 class MemoryProbe:
-    """Free RAM and per-GPU free memory for heartbeats, read off the event loop."""
+    """Free RAM, per-GPU free memory and GPU telemetry for heartbeats, read off the event
+    loop: one thread hop per heartbeat, and the telemetry's memory readings are the free
+    memory (the vendor tool is not asked twice)."""
 
     def __init__(
         self,
         profile: MachineProfile,
         gpu_devices: str | None = None,
         stage_devices: tuple[ComputeDevice, ...] = (),
+        sampler: GpuSampler | None = None,
     ) -> None:
         """``gpu_devices``: ``--gpu-devices``; ``stage_devices``: the devices a split model's
-        stage here computes on (``llama_cpp.devices``; () for the CPU, or no stages here)."""
+        stage here computes on (``llama_cpp.devices``; () for the CPU, or no stages here);
+        ``sampler``: reads the GPUs' telemetry (default: the one for this machine's GPUs,
+        ``hardware.telemetry.sampler_for``)."""
         self.profile = profile
         self.gpu_devices = gpu_devices
         self.stage_devices = stage_devices
+        self.sampler = sampler if sampler is not None else sampler_for(profile.gpus)
+        self._lock = threading.Lock()  # a heartbeat and a worker-list write may overlap
 
     def stage_memory(self) -> int | None:
         """``stage_memory`` on the latest profile (``Register``/``Heartbeat``)."""
         return stage_memory(self.profile, self.gpu_devices, self.stage_devices)
 
-    async def free(self) -> tuple[int, tuple[int | None, ...]]:
-        profile = await asyncio.to_thread(refresh_free_memory, self.profile)
+    async def read(self) -> Reading:
+        profile, gpus = await asyncio.to_thread(self._measure, self.profile)
         self.profile = profile
-        return profile.ram_available_bytes, tuple(g.memory_free_bytes for g in profile.gpus)
+        return Reading(
+            profile.ram_available_bytes, tuple(g.memory_free_bytes for g in profile.gpus), gpus
+        )
+
+    def _measure(self, profile: MachineProfile) -> tuple[MachineProfile, tuple[GpuSample, ...]]:
+        with self._lock:
+            gpus = self.sampler.sample()
+            fresh = refresh_free_memory(profile, measured=telemetry.free_bytes(gpus))
+        return fresh, gpus

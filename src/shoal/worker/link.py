@@ -382,15 +382,16 @@ class RouterLink:
     async def _heartbeat(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
-            ram, gpus = await self.memory.free()
+            reading = await self.memory.read()
             self.outbox.send(
                 Heartbeat(
                     state=self.backend_state,
                     running_jobs=self.runner.running,
-                    ram_available_bytes=ram,
-                    gpu_free_bytes=gpus,
+                    ram_available_bytes=reading.ram_available_bytes,
+                    gpu_free_bytes=reading.gpu_free_bytes,
                     stage_memory_bytes=self.memory.stage_memory(),
                     cached_blocks=self.cached_blocks,
+                    gpu_telemetry=reading.gpus,
                 )
             )
 

@@ -27,6 +27,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from shoal.protocol.messages import Register
+from shoal.protocol.telemetry import GpuSample
 from shoal.queue.redis_keys import worker_index_key, worker_key
 from shoal.queue.redis_support import REDIS_DOWN, OutageLog, raise_if_cancelled
 
@@ -56,6 +57,7 @@ def summary(
     connected_at: float,
     consumer: str,
     cached_blocks: tuple[int, ...] = (),
+    gpu_telemetry: tuple[GpuSample, ...] = (),
 ) -> Summary:
     """The entry's summary: the fields a router writes for its own workers, and ``consumer``,
     this worker's name in the queue's consumer group (what a job is held for)."""
@@ -72,6 +74,7 @@ def summary(
         "ram_available_bytes": ram_available_bytes,
         "gpu_free_bytes": list(gpu_free_bytes),
         "gpus_unused": reg.gpus_unused,
+        "gpu_telemetry": [g.model_dump(mode="json") for g in gpu_telemetry],
         "backend_url": reg.backend_url,
         "software": reg.software,
         "peer": "",

@@ -230,13 +230,14 @@ class RedisPuller:
 
     async def describe(self) -> Summary:
         """This worker's entry in the cluster's worker list."""
-        ram, gpus = await self.memory.free()
+        reading = await self.memory.read()
         return summary(
             self.register(),
             detail=self.detail,
             running_jobs=self.running,
-            ram_available_bytes=ram,
-            gpu_free_bytes=gpus,
+            ram_available_bytes=reading.ram_available_bytes,
+            gpu_free_bytes=reading.gpu_free_bytes,
+            gpu_telemetry=reading.gpus,
             connected_at=self.connected_at,
             consumer=self.queue.consumer,
             cached_blocks=self.cached_blocks,

@@ -256,15 +256,43 @@ function renderSummary(health) {
   $("#summary-models").textContent = `${health.models.length} model${health.models.length === 1 ? "" : "s"}`;
 }
 
-function meter(label, used, total) {
-  const share = total > 0 ? Math.min(1, Math.max(0, used / total)) : 0;
+// A labelled bar, full at share 1; `what` ends its accessible label ("used", "busy").
+function bar(label, share, detail, what, cls = "") {
+  share = Number.isFinite(share) ? Math.min(1, Math.max(0, share)) : 0;
   const fill = el("div", { class: `fill${share > 0.9 ? " hot" : share > 0.75 ? " warm" : ""}` });
   fill.style.width = `${(share * 100).toFixed(1)}%`;
-  return el("div", { class: "meter" },
-    el("div", { class: "meter-label" },
-      el("span", { text: label }),
-      el("span", { class: "muted", text: `${formatBytes(used)} used · ${formatBytes(total - used)} free` })),
-    el("div", { class: "bar", role: "img", "aria-label": `${label} ${Math.round(share * 100)}% used` }, fill));
+  return el("div", { class: `meter ${cls}`.trim() },
+    el("div", { class: "meter-label" }, el("span", { text: label }), el("span", { class: "muted", text: detail })),
+    el("div", { class: "bar", role: "img", "aria-label": `${label} ${Math.round(share * 100)}% ${what}` }, fill));
+}
+
+function meter(label, used, total, cls = "") {
+  return bar(label, total > 0 ? used / total : 0,
+    `${formatBytes(used)} used · ${formatBytes(total - used)} free`, "used", cls);
+}
+
+// One GPU as its worker's last heartbeat read it: utilization and memory as bars, temperature
+// and power as text. A reading its tool cannot give (null) is left out.
+function gpuTelemetry(g, s) {
+  const readout = [];
+  if (Number.isFinite(s.temperature_celsius)) readout.push(`${Math.round(s.temperature_celsius)} °C`);
+  if (Number.isFinite(s.power_watts)) {
+    const cap = Number.isFinite(s.power_limit_watts) ? ` / ${Math.round(s.power_limit_watts)}` : "";
+    readout.push(`${Math.round(s.power_watts)}${cap} W`);
+  }
+  const box = el("div", { class: "gpu", "data-gpu": String(s.index) },
+    el("div", { class: "gpu-head" },
+      el("span", { class: "gpu-name", text: `GPU ${s.index} · ${s.name || g.name}` }),
+      el("span", { class: "muted gpu-readout", text: readout.join(" · ") })));
+  if (Number.isFinite(s.utilization_percent)) {
+    const percent = s.utilization_percent;
+    box.append(bar("Utilization", percent / 100, `${Math.round(percent)}%`, "busy", "gpu-util"));
+  }
+  const total = s.memory_total_bytes ?? g.memory_total_bytes;
+  if (Number.isFinite(s.memory_used_bytes) && total > 0) {
+    box.append(meter("Memory", s.memory_used_bytes, total, "gpu-memory"));
+  }
+  return box;
 }
 
 function slotDots(used, total) {
@@ -299,7 +327,12 @@ function workerCard(w, soleServer) {
   }
   const ramTotal = hw.ram_total_bytes;
   const meters = el("div", { class: "meters" }, meter("RAM", ramTotal - w.ram_available_bytes, ramTotal));
+  const telemetry = new Map((w.gpu_telemetry || []).map((s) => [s.index, s]));
   gpus.forEach((g, i) => {
+    if (telemetry.has(g.index)) {
+      meters.append(gpuTelemetry(g, telemetry.get(g.index)));
+      return;
+    }
     const free = w.gpu_free_bytes?.[i] ?? g.memory_free_bytes;
     if (free !== null && free !== undefined) {
       meters.append(meter(`GPU ${g.index} memory`, g.memory_total_bytes - free, g.memory_total_bytes));

@@ -8,6 +8,7 @@ real deployment of the default model split over the test worker and a second one
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ from playwright.sync_api import (
 
 from cluster import API_KEY, MODEL, Cluster, Proc, Router, wait_until
 from fakes.fake_pynvml import worker_env
+from fakes.tool_replay import nvidia_h100_driver
 
 pytestmark = pytest.mark.e2e
 
@@ -456,3 +458,46 @@ def test_layer_map_shows_a_real_deployment(
             router.url + DEPLOYMENTS_UNDEPLOY, json={"name": "dash-split"}, headers=router.headers
         )
         _stop(second)
+
+
+def test_a_gpu_worker_on_a_cpu_build_is_never_silent(
+    live: Live, watched: Watched, session_cluster: Cluster, tmp_path: Path
+) -> None:
+    """A worker that finds GPUs (a FAKE nvidia-smi replaying a recorded H100 machine first on
+    its PATH, ``fakes.tool_replay``; NVML cannot load here, so detection falls back to it) but
+    runs the CPU build of llama-server warns at start with the fix, registers why its GPUs sit
+    idle, and its card shows a badge; the card of a worker without GPUs shows none."""
+    driver = nvidia_h100_driver().on_path(tmp_path / "driver")
+    path = f"{driver}{os.pathsep}{os.environ['PATH']}"
+    gpu = session_cluster.worker(
+        live.router, "--slots", "1", "--ctx-size", "1024", name="dash-gpu", env={"PATH": path}
+    )
+    try:
+        [worker] = wait_until(
+            lambda: [
+                w
+                for w in live.router.workers()
+                if w["name"] == "dash-gpu" and w["state"] == "ready"
+            ],
+            60,
+            "the worker with the fake driver",
+        )
+        unused = worker["gpus_unused"]
+        assert {g["name"] for g in worker["hardware"]["gpus"]} == {"NVIDIA H100 80GB HBM3"}
+        assert "drives none of them" in unused and "--llama-server-path" in unused
+        assert live.worker()["gpus_unused"] is None
+        warnings = [line for line in gpu.log().splitlines() if "WARNING" in line]
+        assert any("drives none of them" in line for line in warnings), gpu.log()[-3000:]
+
+        watched.sign_in()
+        card = watched.page.wait_for_selector(f'.worker[data-worker-id="{worker["id"]}"]')
+        assert card is not None
+        badge = card.query_selector(".card-head .gpus-unused")
+        assert badge is not None and badge.text_content() == "GPUs unused"
+        assert badge.get_attribute("title") == unused
+        assert _text(card, ".gpus-unused-why") == unused
+        assert _text(card, ".pill") == "ready"
+        other = watched.page.query_selector(f'.worker[data-worker-id="{live.worker()["id"]}"]')
+        assert other is not None and other.query_selector(".gpus-unused") is None
+    finally:
+        _stop(gpu)

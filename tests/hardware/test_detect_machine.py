@@ -7,13 +7,14 @@ with a recorded output from ``fixtures/`` and treats every other command as not 
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from fakes.tool_replay import Replay
+from fakes.tool_replay import Replay, nvidia_h100_driver
 from shoal.hardware import amd, apple, detect, nvidia, vulkan
 from shoal.hardware.detect import ToolResult, detect_machine, refresh_free_memory, run_tool
 from shoal.hardware.profile import Accelerator, GpuDevice, MachineProfile
@@ -36,7 +37,32 @@ def test_nvidia_smi_is_asked_when_nvml_is_missing() -> None:
     assert profile.accelerator is Accelerator.CUDA
     assert len(profile.gpus) == 8
     assert profile.gpus[6].memory_free_bytes == (32768 - 13928) * MIB
-    assert run.calls == [nvidia.smi_command()]  # found: AMD and Vulkan are not asked
+    # found: its banner is read for the CUDA version; AMD and Vulkan are not asked
+    assert run.calls == [nvidia.smi_command(), nvidia.SMI_BANNER]
+    assert profile.gpus[0].cuda_version == ""  # no banner recorded for this machine
+
+
+@pytest.mark.parametrize(
+    ("banner", "cuda_version"),
+    [
+        ("nvidia_smi_banner_h100_535.txt", "12.2"),
+        ("nvidia_smi_banner_a100x2_580.txt", "13.0"),
+        ("nvidia_smi_banner_b200_r610.txt", "13.3"),  # R610: "CUDA UMD Version"
+    ],
+)
+def test_the_banner_gives_every_gpu_the_drivers_cuda_version(
+    banner: str, cuda_version: str
+) -> None:
+    """Query and banner from different machines (see fixtures/SOURCES.md): only the CUDA
+    version is read from the banner."""
+    run = Replay(
+        {
+            nvidia.smi_command(): read("nvidia_smi_compute_cap_h100x8.csv"),
+            nvidia.SMI_BANNER: read(banner),
+        }
+    )
+    profile = detect_machine(run, system="Linux", nvml=no_nvml)
+    assert {(g.compute_capability, g.cuda_version) for g in profile.gpus} == {("9.0", cuda_version)}
 
 
 def test_nvml_wins_without_running_any_tool() -> None:
@@ -53,7 +79,7 @@ def test_an_old_driver_is_asked_again_without_compute_cap() -> None:
     run = Replay({nvidia.smi_command(): rejected, legacy: read("nvidia_smi_v100x8.csv")})
     profile = detect_machine(run, system="Linux", nvml=no_nvml)
     assert len(profile.gpus) == 8
-    assert run.calls == [nvidia.smi_command(), legacy]
+    assert run.calls == [nvidia.smi_command(), legacy, nvidia.SMI_BANNER]
 
 
 def test_amd_smi_static_and_metric() -> None:
@@ -214,3 +240,41 @@ def test_refresh_cpu_only_updates_ram() -> None:
     profile = detect_machine(Replay({}), nvml=no_nvml)
     stale = MachineProfile(profile.hostname, profile.os, profile.cpu, profile.ram_total_bytes, 0)
     assert refresh_free_memory(stale, Replay({})).ram_available_bytes > 0
+
+
+def test_run_tool_finds_nvidia_smi_in_wsls_driver_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """WSL 2 keeps nvidia-smi beside the Windows driver's libcuda, often not on PATH."""
+    wsl_lib = tmp_path / "wsl-lib"
+    wsl_lib.mkdir()
+    tool = wsl_lib / "nvidia-smi"
+    tool.write_text("#!/bin/sh\necho 'CUDA Version: 12.6'\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert run_tool(nvidia.SMI_BANNER) is None
+    monkeypatch.setattr(detect, "WSL_LIB", wsl_lib)
+    result = run_tool(nvidia.SMI_BANNER)
+    assert result is not None and result.stdout.strip() == "CUDA Version: 12.6"
+
+
+def test_the_replay_on_path_answers_as_the_replay_in_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The FAKE nvidia-smi real processes run (``Replay.on_path``) is the same table of
+    recordings: detection through the real ``run_tool`` finds what it finds in process, and
+    a command line without a recording fails."""
+    replay = nvidia_h100_driver()
+    folder = replay.on_path(tmp_path / "bin")
+    monkeypatch.setenv("PATH", os.pathsep.join([str(folder), "/usr/bin", "/bin"]))
+    monkeypatch.setattr(detect, "WSL_LIB", tmp_path / "no-wsl")
+    in_process = detect_machine(replay, system="Linux", nvml=no_nvml)
+    through_path = detect_machine(run_tool, system="Linux", nvml=no_nvml)
+    assert through_path.gpus == in_process.gpus
+    assert {(g.name, g.cuda_version) for g in through_path.gpus} == {
+        ("NVIDIA H100 80GB HBM3", "13.0")
+    }
+    assert len(through_path.gpus) == 8
+    failed = run_tool(nvidia.smi_command(nvidia.SMI_TELEMETRY_FIELDS))
+    assert failed is not None and failed.returncode == 1
+    assert "no recording for this command line" in failed.stderr

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fakes.fake_pynvml.pynvml import FakeGpu, FakeNvml
+from fakes.fake_pynvml.pynvml import FakeGpu, FakeNvml, NVMLError
 from shoal.hardware import nvidia
 from shoal.hardware.profile import Accelerator
 from shoal.protocol.telemetry import GpuSample
@@ -98,9 +98,13 @@ def test_query_commands_keep_the_header() -> None:
 # ------------------------------------------------------------------------------ NVML
 
 
-def fake_pynvml(*, fail_init: bool = False, memory: bool = True) -> FakeNvml:
+def fake_pynvml(
+    *, fail_init: bool = False, memory: bool = True, cuda: int | Exception | None = 12040
+) -> FakeNvml:
     """A FAKE NVML (``fakes.fake_pynvml``) for a machine with two GPUs whose names come back
-    as bytes, the way old bindings return them; ``memory=False``: no memory info."""
+    as bytes, the way old bindings return them; ``memory=False``: no memory info; ``cuda``:
+    the driver's CUDA version as NVML gives it, an error to raise, or None for bindings
+    without ``nvmlSystemGetCudaDriverVersion``."""
     gpus = [
         FakeGpu(
             name=f"NVIDIA RTX {4090 - h * 10}",
@@ -111,7 +115,9 @@ def fake_pynvml(*, fail_init: bool = False, memory: bool = True) -> FakeNvml:
         )
         for h in range(2)
     ]
-    return FakeNvml(gpus, "550.54.15", fail_init=fail_init, bytes_names=True)
+    return FakeNvml(
+        gpus, "550.54.15", fail_init=fail_init, bytes_names=True, cuda_driver_version=cuda
+    )
 
 
 def test_nvml_lists_every_gpu_and_shuts_down(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -127,6 +133,7 @@ def test_nvml_lists_every_gpu_and_shuts_down(monkeypatch: pytest.MonkeyPatch) ->
     assert gpus[1].memory_free_bytes == 40 << 30
     assert gpus[0].compute_capability == "8.9"
     assert gpus[0].driver == "550.54.15"
+    assert {g.cuda_version for g in gpus} == {"12.4"}  # NVML's 12040
     assert fake.calls == ["init", "shutdown"]
     assert nvidia.nvidia_free_bytes() == {0: 20 << 30, 1: 40 << 30}
 
@@ -147,6 +154,40 @@ def test_nvml_without_a_driver_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_nvml_without_the_library_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import raises ImportError
     assert nvidia.from_nvml() is None
+
+
+@pytest.mark.parametrize("cuda", [None, NVMLError("Function Not Found"), 0])
+def test_nvml_that_cannot_say_the_cuda_version_leaves_it_unknown(
+    monkeypatch: pytest.MonkeyPatch, cuda: int | Exception | None
+) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(cuda=cuda))
+    gpus = nvidia.from_nvml()
+    assert gpus is not None and len(gpus) == 2
+    assert {g.cuda_version for g in gpus} == {""}
+
+
+# ------------------------------------------------------------------- the driver's CUDA
+
+
+@pytest.mark.parametrize(
+    ("fixture", "expected"),
+    [
+        ("nvidia_smi_banner_h100_535.txt", "12.2"),
+        ("nvidia_smi_banner_v100x2_535.txt", "12.2"),
+        ("nvidia_smi_banner_a100x2_580.txt", "13.0"),
+        ("nvidia_smi_banner_b200_r610.txt", "13.3"),  # "CUDA UMD Version" since R610
+        ("nvidia_smi_v100x8.csv", ""),  # a query answer has no banner
+    ],
+)
+def test_cuda_version_from_recorded_banners(fixture: str, expected: str) -> None:
+    assert nvidia.parse_cuda_version(read(fixture)) == expected
+
+
+def test_cuda_version_from_the_q_report_and_garbage() -> None:
+    # nvidia-smi -q aligns its values after the colon (constructed line of that layout)
+    assert nvidia.parse_cuda_version("CUDA Version                              : 11.7") == "11.7"
+    assert nvidia.parse_cuda_version("No devices were found") == ""
+    assert nvidia.parse_cuda_version("") == ""
 
 
 # ------------------------------------------------------------------------- telemetry

@@ -33,6 +33,7 @@ import pytest
 from shoal import paths
 from shoal.llama_cpp import LlamaCppError, describe, resolve
 from shoal.llama_cpp.archive import UnsafeArchiveError, check_link, extract, member_path
+from shoal.llama_cpp.backend import BackendChoice
 from shoal.llama_cpp.binaries import (
     Binaries,
     cache_bin_dir,
@@ -40,6 +41,7 @@ from shoal.llama_cpp.binaries import (
     release_bin_dir,
     release_install_dir,
 )
+from shoal.llama_cpp.locate import Preference
 from shoal.llama_cpp.release import (
     RELEASE_INFO_NAME,
     RELEASE_REPO,
@@ -274,9 +276,11 @@ class StandInBuilder:
     """Stands in for the several-minute CMake build: puts scripts where the build would."""
 
     calls: list[str] = field(default_factory=list)
+    flags: list[tuple[str, ...]] = field(default_factory=list)
 
-    def __call__(self, cache_dir: Path, *, backend: str) -> Binaries:
+    def __call__(self, cache_dir: Path, *, backend: str, flags: tuple[str, ...] = ()) -> Binaries:
         self.calls.append(backend)
+        self.flags.append(flags)
         bin_dir = cache_bin_dir(cache_dir, backend)
         bin_dir.mkdir(parents=True)
         for name, (body, mode) in release_files().items():
@@ -750,6 +754,88 @@ def test_download_allowed_without_build_raises_the_download_error(cache_dir: Pat
         )
 
     assert builder.calls == []
+
+
+def test_the_choice_picks_the_cuda_release_and_its_runtime(
+    github: FakeGitHub, cache_dir: Path
+) -> None:
+    names = [
+        f(TAG, platform.system(), platform.machine(), "cuda", cuda_major=13)
+        for f in (asset_name, runtime_asset_name)
+    ]
+    if None in names:
+        pytest.skip(f"llama.cpp publishes no CUDA 13 build for {platform.platform()}")
+    main, runtime = names
+    assert main is not None and runtime is not None
+    github.publish(main, make_tar_gz(release_files()))
+    cudart = {"libcudart.so.13": (b"cudart", 0o644)}
+    github.publish(runtime, make_tar_gz(cudart, top=runtime.removesuffix(".tar.gz")))
+
+    found = resolve(
+        explicit=None,
+        cache_dir=cache_dir,
+        path_env=None,
+        github_url=github.url,
+        choice=BackendChoice("cuda", cuda_major=13),
+    )
+
+    assert found.source == "download"
+    assert [
+        p.rsplit("/", 1)[-1] for p in github.paths_requested() if p.startswith("/download/")
+    ] == [
+        main,
+        runtime,
+    ]
+
+
+def test_a_release_that_would_not_run_here_is_not_downloaded_but_built_for_these_gpus(
+    github: FakeGitHub, cache_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    github.publish(this_machine_asset("cuda"), make_tar_gz(release_files()))
+    builder = StandInBuilder()
+    choice = BackendChoice(
+        "cuda",
+        no_release="the CUDA 12.8 release has no sm_90 code",
+        build_flags=("-DCMAKE_CUDA_ARCHITECTURES=90",),
+    )
+    caplog.set_level(logging.INFO, logger="shoal.llama_cpp")
+
+    found = resolve(
+        explicit=None,
+        cache_dir=cache_dir,
+        path_env=None,
+        github_url=github.url,
+        builder=builder,
+        choice=choice,
+    )
+
+    assert found.source == "build"
+    assert github.requests == []
+    assert (builder.calls, builder.flags) == (["cuda"], [("-DCMAKE_CUDA_ARCHITECTURES=90",)])
+    assert "not downloading llama.cpp" in caplog.text and "no sm_90 code" in caplog.text
+
+
+@pytest.mark.parametrize("prefer", ["auto", "build", "release"])
+def test_neither_release_nor_build_says_both_reasons_and_does_nothing(
+    github: FakeGitHub, cache_dir: Path, prefer: Preference
+) -> None:
+    builder = StandInBuilder()
+    choice = BackendChoice(
+        "cuda", no_release="the driver is too old", no_build="no CUDA toolkit (nvcc)"
+    )
+
+    with pytest.raises(LlamaCppError, match="cannot (build|download) llama.cpp's cuda build"):
+        resolve(
+            explicit=None,
+            cache_dir=cache_dir,
+            path_env=None,
+            github_url=github.url,
+            builder=builder,
+            choice=choice,
+            prefer=prefer,
+        )
+
+    assert github.requests == [] and builder.calls == []
 
 
 def test_unknown_preference_is_refused(cache_dir: Path) -> None:

@@ -95,6 +95,12 @@ def up(args: argparse.Namespace) -> int:
     return 0
 
 
+def doctor(args: argparse.Namespace) -> int:
+    from shoal.cli.doctor import doctor as run_doctor
+
+    return run_doctor(args)
+
+
 def help_(args: argparse.Namespace) -> int:
     raise UserError("choose an action; see --help")
 

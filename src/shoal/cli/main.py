@@ -27,6 +27,7 @@ Shoal: one OpenAI-compatible endpoint over your own machines, running llama.cpp.
   shoal up                                  router + worker + a small model, on this machine
   shoal router --host 0.0.0.0 --api-key K --gpu-key G        the front door
   shoal worker --router-url HOST:8000 --gpu-key G            on each GPU machine (dials out)
+  shoal doctor --router-url HOST:8000 --gpu-key G            is this machine right for it?
 
 Every option also reads a SHOAL_* environment variable (--max-queue <-> SHOAL_MAX_QUEUE).
 """
@@ -65,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
         add("data", "Run a model store that serves GGUF files to workers.", commands.data),
         DataSettings,
     )
+    doctor = add(
+        "doctor",
+        "Check this machine for `shoal worker` (same options): GPUs, driver, llama.cpp backend "
+        "and build, model fit, router; exit status 1 on problems.",
+        commands.doctor,
+    )
+    doctor.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_settings_flags(doctor, WorkerSettings)
 
     llama = add("llama-cpp", "Find or build the llama.cpp binaries.", commands.help_)
     llama_sub = llama.add_subparsers(dest="llama_command", metavar="ACTION", required=True)

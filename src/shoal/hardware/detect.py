@@ -36,6 +36,9 @@ TOOL_TIMEOUT_S = 5.0
 """How long one vendor tool may run before it counts as failed."""
 
 PROC_CPUINFO = Path("/proc/cpuinfo")
+WSL_LIB = Path("/usr/lib/wsl/lib")
+"""WSL 2's copy of the Windows NVIDIA driver: ``libcuda.so`` and ``nvidia-smi``, which is
+often not on PATH there."""
 
 SPLIT_MODES = ("none", "layer", "row")
 
@@ -69,14 +72,23 @@ class CommandRunner(Protocol):
     def __call__(self, argv: Sequence[str]) -> ToolResult | None: ...
 
 
+def find_tool(name: str) -> str | None:
+    """``name`` on PATH, else in WSL's driver folder (where WSL 2 keeps ``nvidia-smi``)."""
+    found = shutil.which(name)
+    if found is None and (WSL_LIB / name).is_file():
+        found = str(WSL_LIB / name)
+    return found
+
+
 def run_tool(argv: Sequence[str]) -> ToolResult | None:
     """Run ``argv`` with :data:`TOOL_TIMEOUT_S`; None if missing, unstartable or too slow."""
-    if shutil.which(argv[0]) is None:
+    tool = find_tool(argv[0])
+    if tool is None:
         log.debug("%s: not installed", argv[0])
         return None
     try:
         done = subprocess.run(
-            list(argv),
+            [tool, *argv[1:]],
             capture_output=True,
             text=True,
             errors="replace",
@@ -104,6 +116,16 @@ def _output(run: CommandRunner, argv: Sequence[str]) -> str:
 
 
 def _nvidia_smi(run: CommandRunner) -> list[GpuDevice]:
+    """The GPUs ``nvidia-smi`` lists, with the driver's CUDA version from its banner."""
+    gpus = _nvidia_smi_query(run)
+    if not gpus:
+        return []
+    return nvidia.with_cuda_version(
+        gpus, nvidia.parse_cuda_version(_output(run, nvidia.SMI_BANNER))
+    )
+
+
+def _nvidia_smi_query(run: CommandRunner) -> list[GpuDevice]:
     result = run(nvidia.smi_command(nvidia.SMI_FIELDS))
     if result is None:
         return []

@@ -12,6 +12,11 @@ whatever its column order. Text without a header is read with the caller's field
 Unknown values (``[N/A]``, ``[Not Supported]``, ...) become 0 for totals (0 means unknown, as
 everywhere in ``shoal.hardware``) and None for free memory.
 
+The CUDA version the driver supports is not a query field: NVML answers
+``nvmlSystemGetCudaDriverVersion``, ``nvidia-smi`` prints it in its banner, ``CUDA Version:
+13.0`` up to driver 580 and ``CUDA UMD Version: 13.3`` from driver 610 on (the R610 release
+renamed it; ``nvidia-smi -q`` prints both spellings with spaces before the colon).
+
 Telemetry (``hardware.telemetry``): ``nvml_sample`` reads one GPU through a handle NVML gave
 once (``nvml_gpu``), each reading on its own, so one NVML refuses (``NotSupported``, a GPU
 lost) is None and the others stay; ``parse_nvidia_smi_telemetry`` reads the same from
@@ -20,8 +25,10 @@ lost) is None and the others stay; ``parse_nvidia_smi_telemetry`` reads the same
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +55,11 @@ SMI_FIELDS_LEGACY = SMI_FIELDS[:-1]
 """The retry for older drivers, which answer ``Field "compute_cap" is not a valid field``."""
 
 SMI_FREE_FIELDS = ("index", "memory.free")
+
+SMI_BANNER = ("nvidia-smi",)
+"""``nvidia-smi`` alone: its banner names the driver and the CUDA version it supports."""
+
+_CUDA_VERSION = re.compile(r"CUDA(?: UMD)? Version\s*:\s*(\d+)\.(\d+)")
 
 SMI_TELEMETRY_FIELDS = (
     "index",
@@ -167,6 +179,17 @@ def parse_nvidia_smi_csv(text: str, fields: Sequence[str] = SMI_FIELDS) -> list[
     return sorted(devices, key=lambda d: d.index)
 
 
+def parse_cuda_version(text: str) -> str:
+    """The CUDA version in ``nvidia-smi``'s banner (or ``-q``), as ``13.0``; "" if none."""
+    match = _CUDA_VERSION.search(text)
+    return f"{int(match.group(1))}.{int(match.group(2))}" if match else ""
+
+
+def with_cuda_version(devices: list[GpuDevice], cuda_version: str) -> list[GpuDevice]:
+    """``devices`` with the driver's CUDA version filled in (it is the same for every GPU)."""
+    return [dataclasses.replace(d, cuda_version=cuda_version) for d in devices]
+
+
 def _quantity(cell: str) -> float | None:
     """``"61"``, ``"100 %"``, ``"120.50 W"`` as a finite number; None for placeholders."""
     number = cell.strip().split(" ", 1)[0]
@@ -228,7 +251,17 @@ def _nvml_capability(nvml: Any, handle: Any) -> str:
     return f"{int(major)}.{int(minor)}"
 
 
-def _nvml_device(nvml: Any, index: int, driver: str) -> GpuDevice:
+def _nvml_cuda_version(nvml: Any) -> str:
+    """The driver's CUDA version (``13000`` is ``13.0``); "" when NVML cannot say."""
+    try:
+        version = int(nvml.nvmlSystemGetCudaDriverVersion())
+    except (nvml.NVMLError, AttributeError) as exc:  # AttributeError: bindings without it
+        log.debug("NVML: no CUDA driver version: %s", exc)
+        return ""
+    return f"{version // 1000}.{version % 1000 // 10}" if version > 0 else ""
+
+
+def _nvml_device(nvml: Any, index: int, driver: str, cuda_version: str) -> GpuDevice:
     handle = nvml.nvmlDeviceGetHandleByIndex(index)
     total, free = _nvml_memory(nvml, handle)
     return GpuDevice(
@@ -240,6 +273,7 @@ def _nvml_device(nvml: Any, index: int, driver: str) -> GpuDevice:
         uuid=_decode(nvml.nvmlDeviceGetUUID(handle)),
         driver=driver,
         compute_capability=_nvml_capability(nvml, handle),
+        cuda_version=cuda_version,
     )
 
 
@@ -272,7 +306,9 @@ def from_nvml() -> list[GpuDevice] | None:
         return None
     try:
         driver = _decode(nvml.nvmlSystemGetDriverVersion())
-        return [_nvml_device(nvml, i, driver) for i in range(int(nvml.nvmlDeviceGetCount()))]
+        cuda = _nvml_cuda_version(nvml)
+        count = int(nvml.nvmlDeviceGetCount())
+        return [_nvml_device(nvml, i, driver, cuda) for i in range(count)]
     except nvml.NVMLError as exc:
         log.debug("NVML: query failed: %s", exc)
         return None

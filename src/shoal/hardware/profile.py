@@ -36,6 +36,9 @@ class GpuDevice:
     uuid: str = ""
     driver: str = ""
     compute_capability: str = ""
+    cuda_version: str = ""
+    """NVIDIA: the newest CUDA version the driver supports (``13.0``; NVML, else the banner
+    of ``nvidia-smi``), which decides the llama.cpp CUDA builds that run here; "" unknown."""
     unified_memory: bool = False
 
     @property

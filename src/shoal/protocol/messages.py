@@ -35,7 +35,8 @@ from shoal.protocol.telemetry import GpuSample
 
 PROTOCOL_VERSION = 8
 """Bumped on any incompatible change; a router refuses workers that speak another version.
-8: ``Heartbeat.gpu_telemetry`` (utilization, memory, temperature and power per GPU).
+8: ``Heartbeat.gpu_telemetry`` (utilization, memory, temperature and power per GPU) and
+``Register.gpus_unused`` (a worker whose llama.cpp build drives none of its GPUs says so).
 7: ``StateChanged.backend_url`` (a restarted llama-server listens on a new port).
 6: ``Continuation.logprobs`` (a non-streamed answer's earlier log-probabilities).
 5: chunks carry token ids (resuming answers); ``ShardStart`` names the stage's layers and the
@@ -170,6 +171,10 @@ class Register(Message):
     ``ggml-rpc-server`` computes on (None: it computes on the CPU, in RAM)."""
     no_shards: str | None = None
     """Why this worker cannot run parts of split models (None: it can)."""
+    gpus_unused: str | None = None
+    """Why this worker's GPUs sit idle, with the fix: its llama.cpp build drives none of
+    them (a CPU build on a GPU machine). None: it drives them, there are none, or the worker
+    runs no llama.cpp."""
 
 
 class Heartbeat(Message):

@@ -72,6 +72,8 @@ class WorkerConnection:
     """What a split model's stage may hold here (``Register.stage_memory_bytes``)."""
     no_shards: str | None = None
     """Why it cannot run parts of split models (None: it can)."""
+    gpus_unused: str | None = None
+    """Why its GPUs sit idle (``Register.gpus_unused``; None: they do not)."""
     cached: frozenset[int] = frozenset()
     """The prefix hashes its llama-server's slots hold (``CacheChanged``), with those of the
     jobs placed on it since (its report may not include them yet)."""
@@ -94,7 +96,10 @@ class WorkerConnection:
             gpu_free_bytes=tuple(g.memory_free_bytes for g in msg.hardware.gpus),
             stage_memory_bytes=msg.stage_memory_bytes,
             no_shards=msg.no_shards,
+            gpus_unused=msg.gpus_unused,
         )
+        if msg.gpus_unused:
+            log.warning("worker %s (%s): %s", msg.worker_id, msg.name, msg.gpus_unused)
         conn.set_models(msg.models)
         return conn
 
@@ -191,6 +196,7 @@ class WorkerConnection:
             "gpu_free_bytes": list(self.gpu_free_bytes),
             "gpu_telemetry": [g.model_dump(mode="json") for g in self.gpu_telemetry],
             "stage_memory_bytes": self.stage_memory_bytes,
+            "gpus_unused": self.gpus_unused,
             "backend_url": self.backend_url,
             "software": self.software,
             "peer": self.peer,

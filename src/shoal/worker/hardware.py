@@ -19,7 +19,11 @@ from shoal.hardware.detect import (
 )
 from shoal.hardware.profile import MachineProfile
 from shoal.hardware.telemetry import GpuSampler, sampler_for
-from shoal.llama_cpp.devices import ComputeDevice
+from shoal.llama_cpp.backend import BackendChoice
+from shoal.llama_cpp.binaries import Binaries
+from shoal.llama_cpp.coverage import unused_gpus
+from shoal.llama_cpp.devices import ComputeDevice, list_devices
+from shoal.llama_cpp.errors import LlamaCppError
 from shoal.protocol.messages import GpuInfo, Hardware
 from shoal.protocol.telemetry import GpuSample
 
@@ -65,6 +69,24 @@ def to_wire(profile: MachineProfile) -> Hardware:
             for g in profile.gpus
         ),
     )
+
+
+def gpus_unused(
+    profile: MachineProfile, found: Binaries, choice: BackendChoice | None
+) -> str | None:
+    """Why the GPUs here sit idle under ``found`` (its ``--list-devices`` lists none), with
+    the fix, logged as a warning; None when it drives them or there are none."""
+    if not profile.gpus:
+        return None
+    try:
+        listed = list_devices(found.llama_server)
+    except LlamaCppError as exc:  # it will fail to start too, and say why then
+        log.warning("could not ask llama-server which GPUs it drives: %s", exc)
+        return None
+    message = unused_gpus(profile.gpus, listed, found, choice)
+    if message is not None:
+        log.warning("%s", message)
+    return message
 
 
 def selected(profile: MachineProfile, gpu_devices: str | None) -> MachineProfile:

@@ -59,6 +59,7 @@ from shoal.worker.outbox import Outbox
 from shoal.worker.pinning import SlotPinning
 from shoal.worker.plan import (
     Plan,
+    gpus_unused_before_plan,
     local_model,
     needs_router_default,
     pinned_model,
@@ -106,10 +107,12 @@ class _Serving:
         shards: ShardFactory | str,
         image_plans: Sequence[ImagePlan] = (),
         images_give_state: bool = False,
+        gpus_unused: str | None = None,
     ) -> None:
         """``shards``: how to build the shard host, or why this worker cannot run parts of
         split models. ``images_give_state``: the image models' state is the worker's (it
-        serves no text)."""
+        serves no text). ``gpus_unused``: why the GPUs would sit idle, known before a plan."""
+        self.early_gpus_unused = gpus_unused
         self.settings = settings
         self.machine = machine
         self.path_env = path_env
@@ -246,6 +249,7 @@ def _registration(
             software=f"shoal {__version__}",
             stage_memory_bytes=memory.stage_memory(),
             no_shards=serving.no_shards,
+            gpus_unused=serving.plan.gpus_unused if serving.plan else serving.early_gpus_unused,
         )
 
     return register
@@ -313,6 +317,9 @@ async def run_worker(
             shards=shards,
             image_plans=image_plans,
             images_give_state=not text,
+            gpus_unused=None
+            if the_plan or not text
+            else await asyncio.to_thread(gpus_unused_before_plan, settings, path_env, machine),
         )
         if serving.images is not None:
             runner.serve(IMAGE_ENDPOINTS, serving.images.run_job)
@@ -389,7 +396,7 @@ def _shard_tools(
     settings: WorkerSettings, machine: MachineProfile, path_env: str | None
 ) -> ShardTools:
     """The llama.cpp build split models run on here (no download: the worker's own)."""
-    found = llama_cpp_binaries(settings, path_env, allow_build=False)
+    found = llama_cpp_binaries(settings, path_env, allow_build=False, gpus=machine.gpus)
     own = settings.model_copy(update={"model_path": None})  # a head loads what it is told
 
     def resolve(spec: ShardStart) -> Path:

@@ -21,7 +21,9 @@ from pathlib import Path
 from shoal.hardware.cpu_quota import detect_usable_cores
 from shoal.hardware.detect import parse_gpu_devices
 from shoal.hardware.profile import MachineProfile
+from shoal.llama_cpp.errors import LlamaCppError
 from shoal.llama_cpp.host_servers import running_servers
+from shoal.llama_cpp.options import backend_choice
 from shoal.llama_cpp.options import binaries as llama_cpp_binaries
 from shoal.llama_cpp.threads import ServerThreads, oversubscription, server_threads, spin_env
 from shoal.models.catalog import HubSource, QuantFile
@@ -50,6 +52,8 @@ class Plan:
 
     model: ModelInfo
     llama: LlamaServerConfig | None
+    gpus_unused: str | None = None
+    """Why this machine's GPUs sit idle under the llama-server planned (with the fix)."""
 
 
 class WorkerConfigError(Exception):
@@ -92,8 +96,10 @@ def plan(
             None,
         )
     machine = machine or hardware.detect_profile()
-    binaries = llama_cpp_binaries(settings, path_env)
+    choice = backend_choice(settings, path_env, machine.gpus)
+    binaries = llama_cpp_binaries(settings, path_env, choice=choice)
     log.info("llama-server: %s", binaries.reason)
+    gpus_unused = hardware.gpus_unused(machine, binaries, choice)
     local = local_model(settings, settings.model or default_model or DEFAULT_MODEL.id, machine)
     alias = settings.model_alias or local.id
     device_args, device_env = _device_args(machine, settings)
@@ -120,7 +126,25 @@ def plan(
         context_length=settings.ctx_size,
         backend="llama-server",
     )
-    return Plan(info, config)
+    return Plan(info, config, gpus_unused)
+
+
+def gpus_unused_before_plan(
+    settings: WorkerSettings, path_env: str | None, machine: MachineProfile
+) -> str | None:
+    """For a worker whose model the router names: whether the llama-server it would run
+    drives the GPUs here (the one cached or on PATH; nothing is fetched yet), else whether
+    the backend chosen can use them at all. Blocking."""
+    if settings.backend_url or not machine.gpus:
+        return None
+    choice = backend_choice(settings, path_env, machine.gpus)
+    try:
+        found = llama_cpp_binaries(settings, path_env, allow_build=False, choice=choice)
+    except LlamaCppError:  # none yet: the plan fetches the build the choice names
+        if choice.idle_gpus:
+            log.warning("%s", choice.idle_gpus)
+        return choice.idle_gpus
+    return hardware.gpus_unused(machine, found, choice)
 
 
 def cpu_threads(settings: WorkerSettings, machine: MachineProfile, model: str) -> ServerThreads:

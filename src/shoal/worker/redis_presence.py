@@ -73,6 +73,7 @@ def summary(
         "hardware": reg.hardware.model_dump(mode="json"),
         "ram_available_bytes": ram_available_bytes,
         "gpu_free_bytes": list(gpu_free_bytes),
+        "gpus_unused": reg.gpus_unused,
         "gpu_telemetry": [g.model_dump(mode="json") for g in gpu_telemetry],
         "backend_url": reg.backend_url,
         "software": reg.software,

@@ -1,7 +1,8 @@
 """A FAKE of ``pynvml`` (nvidia-ml-py) for machines without an NVIDIA GPU or driver.
 
 No machine here has an NVIDIA GPU, so NVML cannot run; this stands in for it with the calls
-Shoal makes (``hardware.nvidia``): init and shutdown, the driver version, the device count,
+Shoal makes (``hardware.nvidia``): init and shutdown, the driver version and the CUDA version
+it supports (``nvmlSystemGetCudaDriverVersion``, absent from old bindings), the device count,
 handles by index, name, UUID, memory, compute capability, utilization, temperature, power
 and the enforced power limit. A reading given as None raises ``NVMLError`` ("Not
 Supported"), as NVML does for a field a GPU lacks.
@@ -59,7 +60,10 @@ def _known(value: Any) -> Any:
 
 class FakeNvml:
     """A machine's NVML: a stand-in for the ``pynvml`` module. ``calls`` records init and
-    shutdown; ``bytes_names``: names and UUIDs come back as bytes (old bindings)."""
+    shutdown; ``bytes_names``: names and UUIDs come back as bytes (old bindings);
+    ``cuda_driver_version``: what ``nvmlSystemGetCudaDriverVersion`` answers (NVML's integer,
+    ``12040`` for 12.4) or raises (an exception), or None for bindings without that call (the
+    attribute is then absent, as in nvidia-ml-py before it)."""
 
     NVMLError = NVMLError
     NVML_TEMPERATURE_GPU = NVML_TEMPERATURE_GPU
@@ -71,17 +75,22 @@ class FakeNvml:
         *,
         fail_init: bool = False,
         bytes_names: bool = False,
+        cuda_driver_version: int | Exception | None = None,
     ) -> None:
         self.gpus = gpus
         self.driver = driver
         self.fail_init = fail_init
         self.bytes_names = bytes_names
         self.calls: list[str] = []
+        self.cuda_driver_version = cuda_driver_version
+        if cuda_driver_version is not None:
+            self.nvmlSystemGetCudaDriverVersion = self._cuda_driver_version
 
     @classmethod
     def from_file(cls, path: Path) -> FakeNvml:
         machine = json.loads(path.read_text(encoding="utf-8"))
-        return cls([_gpu(g) for g in machine["gpus"]], machine["driver"])
+        gpus = [_gpu(g) for g in machine["gpus"]]
+        return cls(gpus, machine["driver"], cuda_driver_version=machine.get("cuda_driver_version"))
 
     def _text(self, text: str) -> str | bytes:
         return text.encode() if self.bytes_names else text
@@ -101,6 +110,13 @@ class FakeNvml:
 
     def nvmlSystemGetDriverVersion(self) -> str | bytes:
         return self._text(self.driver)
+
+    def _cuda_driver_version(self) -> int:
+        version = self.cuda_driver_version
+        if isinstance(version, Exception):
+            raise version
+        assert version is not None  # the call exists only with a version
+        return version
 
     def nvmlDeviceGetCount(self) -> int:
         return len(self.gpus)
@@ -163,6 +179,8 @@ _machine = load_machine()
 nvmlInit = _machine.nvmlInit
 nvmlShutdown = _machine.nvmlShutdown
 nvmlSystemGetDriverVersion = _machine.nvmlSystemGetDriverVersion
+if hasattr(_machine, "nvmlSystemGetCudaDriverVersion"):  # absent: a machine of old bindings
+    nvmlSystemGetCudaDriverVersion = _machine.nvmlSystemGetCudaDriverVersion
 nvmlDeviceGetCount = _machine.nvmlDeviceGetCount
 nvmlDeviceGetHandleByIndex = _machine.nvmlDeviceGetHandleByIndex
 nvmlDeviceGetName = _machine.nvmlDeviceGetName

@@ -339,9 +339,14 @@ function workerCard(w, soleServer) {
     }
   });
   meters.append(el("p", { class: "seen muted", text: `seen ${w.last_seen_s_ago.toFixed(1)} s ago` }));
+  // A GPU machine whose llama.cpp build drives none of its GPUs: the badge, and the fix.
+  const unused = w.gpus_unused
+    ? el("span", { class: "badge gpus-unused", title: w.gpus_unused, text: "GPUs unused" })
+    : null;
   return el("article", { class: "card worker", "data-worker-id": w.id },
-    el("header", { class: "card-head" }, el("h3", { text: w.name }), statePill(w.state)),
+    el("header", { class: "card-head" }, el("h3", { text: w.name }), unused, statePill(w.state)),
     w.detail ? el("p", { class: `detail state-text-${w.state}`, text: w.detail }) : null,
+    w.gpus_unused ? el("p", { class: "detail gpus-unused-why", text: w.gpus_unused }) : null,
     el("div", { class: "worker-body" }, el("dl", { class: "facts" }, ...facts), meters));
 }
 

@@ -56,6 +56,7 @@ from shoal.router.deployments.deployment import (
     DeploymentSpec,
     DeploymentState,
 )
+from shoal.router.deployments.launch import too_many_devices
 from shoal.router.deployments.leases import DeploymentLeases
 from shoal.router.deployments.nodes import deployment_nodes
 from shoal.router.deployments.placement import Node, NoFit, Plan
@@ -358,6 +359,9 @@ class Deployments:
         result = planned.result
         if isinstance(result, NoFit):
             self._pending(d, result.reason)
+            return
+        if (why := too_many_devices(result)) is not None:
+            self._pending(d, why)
             return
         try:
             d.file = self.pin(d.spec.source)  # the file planned with: every shard uses it

@@ -391,3 +391,21 @@ async def test_a_file_that_cannot_be_pinned_leaves_the_deployment_pending(
     d = controller.items["big"]
     assert d.state is DeploymentState.PENDING and "gone from the cache" in d.detail
     assert sent(b) == []
+
+
+async def test_rebalance_redeploys_when_only_the_devices_change(
+    model_path: Path, tmp_path: Path
+) -> None:
+    registry = Registry()
+    a, b, c = (connect(registry, n) for n in "abc")
+    b.shard_devices = (ShardDevice(name="CUDA0", free_bytes=8 * GIB),)
+    controller = await deployed(model_path, registry, tmp_path)
+    d = controller.items["split"]
+    assert d.plan is not None and d.plan.shards[1].holders[0].device == "CUDA0"
+    assert d.state is DeploymentState.STARTING
+    controller.rebalance("split")
+    assert d.state is DeploymentState.STARTING  # nothing changed: left alone
+    b.shard_devices = (ShardDevice(name="CUDA1", free_bytes=8 * GIB),)  # same memory, other GPU
+    controller.rebalance("split")
+    assert d.state is DeploymentState.PENDING and d.detail == "rebalancing"
+    assert [m for m in sent(b) if isinstance(m, ShardStop)]

@@ -422,8 +422,11 @@ def _settings(spec: DeploymentSpec) -> DeploymentSpec:
     return dataclasses.replace(spec, created_at=0.0)
 
 
-def _layout(plan: Plan) -> tuple[tuple[str, int, int], ...]:
-    return tuple((s.node_id, s.first_layer, s.last_layer) for s in plan.shards)
+def _layout(plan: Plan) -> tuple[tuple[str, str, int, int], ...]:
+    """Which device of which worker holds which layers: a rebalance redeploys when it changes."""
+    return tuple(
+        (s.node_id, d.device, d.first_layer, d.last_layer) for s in plan.shards for d in s.holders
+    )
 
 
 def _backoff(attempts: int) -> float:

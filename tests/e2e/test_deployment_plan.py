@@ -40,10 +40,9 @@ def test_plan_over_two_workers_and_its_errors(cluster: Cluster) -> None:
     # No GPU here: every layer on a CPU; the head's stay behind -ngl, the stage's go to RPC0.
     head_layers = shards[0]["n_layers"]
     assert [[d["device"] for d in s["devices"]] for s in shards] == [["CPU"], ["CPU"]]
-    assert p["head_args"] == [
-        "--n-gpu-layers", str(31 - head_layers), "--device", "RPC0",
-        "--tensor-split", str(31 - head_layers),
-    ]  # fmt: skip
+    assert p["head"] == {
+        "n_gpu_layers": 31 - head_layers, "devices": ["RPC0"], "tensor_split": [31 - head_layers],
+    }  # fmt: skip
     assert p["stage_devices"] == [["CPU"]] and p["refused"] is None
     assert p["layout"] == [
         f"a/CPU layers 0-{head_layers - 1} + token embedding",

@@ -392,15 +392,20 @@ class ShardHost:
 
 def head_args(rpc: list[str], spec: ShardStart) -> tuple[str, ...]:
     """llama-server's arguments for a head: ``--rpc`` first (``--device`` names its devices,
-    which exist once it is parsed), then the plan's ``-ngl``, ``--device`` (the head's GPUs
-    that hold layers, then ``RPC<k>``; ``none``: nothing offloaded, so a GPU of the head the
-    plan gave nothing stays out) and ``--tensor-split``."""
-    args = ["--rpc", ",".join(rpc)] if rpc else []
-    args += ["--n-gpu-layers", str(spec.n_gpu_layers), "--device", ",".join(spec.devices) or "none"]
+    which exist once it is parsed), then the plan's offload (``offload_args``)."""
+    args = ("--rpc", ",".join(rpc)) if rpc else ()
+    # No automatic fit: the plan decides; -lv 4 makes the load log say where layers went.
+    return (*args, *offload_args(spec), "--fit", "off", "--cache-ram", "0", "-lv", "4")
+
+
+def offload_args(spec: ShardStart) -> tuple[str, ...]:
+    """``-ngl``, ``--device`` (the head's GPUs that hold layers, then ``RPC<k>``; ``none``:
+    nothing offloaded, so a GPU of the head the plan gave nothing stays out) and
+    ``--tensor-split``, as the router planned them."""
+    args = ["--n-gpu-layers", str(spec.n_gpu_layers), "--device", ",".join(spec.devices) or "none"]
     if spec.tensor_split:
         args += ["--tensor-split", ",".join(f"{x:g}" for x in spec.tensor_split)]
-    # No automatic fit: the plan decides; -lv 4 makes the load log say where layers went.
-    return (*args, "--fit", "off", "--cache-ram", "0", "-lv", "4")
+    return tuple(args)
 
 
 def served_devices(named: tuple[str, ...], listed: tuple[ComputeDevice, ...]) -> tuple[str, ...]:

@@ -11,7 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shoal.llama_cpp.load_log import placement
+from shoal.protocol.ids import ModelName
+from shoal.protocol.messages import ShardRole, ShardStart
 from shoal.router.deployments.launch import (
+    HeadLaunch,
     Holder,
     head_launch,
     holders,
@@ -20,6 +23,7 @@ from shoal.router.deployments.launch import (
     too_many_devices,
 )
 from shoal.router.deployments.placement import DeviceShare, Plan, Shard, Strategy
+from shoal.worker.shards import offload_args
 
 
 def llama_cpp_devices(n_layer: int, ngl: int, tensor_split: tuple[int, ...]) -> list[int]:
@@ -78,6 +82,21 @@ def plan_with(shards: list[list[tuple[str, int]]]) -> Plan:
     return Plan(tuple(out), ctx=1024, strategy=Strategy.BALANCED)
 
 
+def args(launch: HeadLaunch) -> tuple[str, ...]:
+    """The head's offload arguments as its worker writes them from the router's ShardStart."""
+    start = ShardStart(
+        deployment="d",
+        role=ShardRole.HEAD,
+        model=ModelName("m"),
+        source="m.gguf",
+        ctx_size=1024,
+        n_gpu_layers=launch.n_gpu_layers,
+        devices=launch.devices,
+        tensor_split=tuple(float(x) for x in launch.tensor_split),
+    )
+    return offload_args(start)
+
+
 @st.composite
 def device_plans(draw: st.DrawFn) -> list[list[tuple[str, int]]]:
     """A head with its RAM (maybe no layers) and 0-2 GPUs, then 0-3 stages of 1-3 devices."""
@@ -126,7 +145,7 @@ def test_every_layer_lands_on_the_planned_device_of_the_planned_worker(
 def test_a_gpu_head_and_a_gpu_stage() -> None:
     """The H100 check's command line: the head's GPU takes the first layers."""
     launch = head_launch(plan_with([[("CPU", 0), ("CUDA0", 15)], [("CUDA0", 15)]]))
-    assert launch.args() == (
+    assert args(launch) == (
         "--n-gpu-layers", "31", "--device", "CUDA0,RPC0", "--tensor-split", "15,16",
     )  # fmt: skip
 
@@ -135,7 +154,7 @@ def test_spilling_on_both_sides() -> None:
     """The head's RAM holds its first 4 layers (left behind by -ngl); the stage serves its RAM,
     then its GPU."""
     plan = plan_with([[("CPU", 4), ("CUDA0", 10)], [("CPU", 2), ("CUDA0", 14)]])
-    assert head_launch(plan).args() == (
+    assert args(head_launch(plan)) == (
         "--n-gpu-layers", "27", "--device", "CUDA0,RPC0,RPC1", "--tensor-split", "10,2,15",
     )  # fmt: skip
     assert stage_devices(plan) == (("CPU", "CUDA0"),)
@@ -145,9 +164,9 @@ def test_spilling_on_both_sides() -> None:
 
 
 def test_one_shard() -> None:
-    assert head_launch(plan_of([30])).args() == ("--n-gpu-layers", "0", "--device", "none")
+    assert args(head_launch(plan_of([30]))) == ("--n-gpu-layers", "0", "--device", "none")
     gpu = head_launch(plan_with([[("CPU", 0), ("CUDA0", 30)]]))
-    assert gpu.args() == ("--n-gpu-layers", "31", "--device", "CUDA0", "--tensor-split", "31")
+    assert args(gpu) == ("--n-gpu-layers", "31", "--device", "CUDA0", "--tensor-split", "31")
     assert holders(plan_with([[("CPU", 0), ("CUDA0", 30)]]))["CPU"].layers is None
 
 
@@ -205,7 +224,7 @@ def test_what_llama_server_placed_on_an_h100_is_the_plan(
     (llama.cpp b11434 with CUDA): the KV buffer each device reported holds exactly the
     layers the plan gave that worker's device."""
     plan = plan_with(shards)
-    assert " ".join(head_launch(plan).args()) == argv
+    assert " ".join(args(head_launch(plan))) == argv
     assert stage_devices(plan) == stages
     loads = placement((LOGS / log).read_text().splitlines(), rpc)
     layers = placed_layers([d.kv_bytes for d in loads], 768 * 1024)  # 0.75 MiB at -c 1024

@@ -43,16 +43,6 @@ class HeadLaunch:
     tensor_split: tuple[int, ...]
     """One entry per device of ``devices``."""
 
-    def args(self) -> tuple[str, ...]:
-        """The arguments after ``--rpc`` (which must come first: llama-server resolves
-        ``--device`` names while it parses its arguments)."""
-        args = ["--n-gpu-layers", str(self.n_gpu_layers), "--device", ",".join(self.devices)]
-        if not self.devices:
-            args[-1] = "none"
-        else:
-            args += ["--tensor-split", ",".join(str(n) for n in self.tensor_split)]
-        return tuple(args)
-
 
 def head_launch(plan: Plan) -> HeadLaunch:
     """llama-server's ``-ngl``, ``--device`` and ``--tensor-split`` for ``plan``'s head."""

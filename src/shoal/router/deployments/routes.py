@@ -121,7 +121,11 @@ async def plan_pipeline(request: Request, body: PlanRequest) -> Response:
             head_worker=result.shards[0].node_id,
             tensor_split=list(result.tensor_split),
             layout=result.layout({str(i): name for i, name in names.items()}),
-            head_args=list(launch.args()),
+            head={
+                "n_gpu_layers": launch.n_gpu_layers,
+                "devices": list(launch.devices),
+                "tensor_split": list(launch.tensor_split),
+            },
             stage_devices=[list(d) for d in stage_devices(result)],
             shards=[
                 _shard_json(s, names, info, i, len(result.shards))

@@ -37,6 +37,17 @@ def test_plan_over_two_workers_and_its_errors(cluster: Cluster) -> None:
     assert sum(s["n_layers"] for s in shards) == 30
     assert sum(p["tensor_split"]) == 31  # the output layer counts as one more on the last
     assert all(s["margin_bytes"] > 0 for s in shards)
+    # No GPU here: every layer on a CPU; the head's stay behind -ngl, the stage's go to RPC0.
+    head_layers = shards[0]["n_layers"]
+    assert [[d["device"] for d in s["devices"]] for s in shards] == [["CPU"], ["CPU"]]
+    assert p["head"] == {
+        "n_gpu_layers": 31 - head_layers, "devices": ["RPC0"], "tensor_split": [31 - head_layers],
+    }  # fmt: skip
+    assert p["stage_devices"] == [["CPU"]] and p["refused"] is None
+    assert p["layout"] == [
+        f"a/CPU layers 0-{head_layers - 1} + token embedding",
+        f"b/CPU layers {head_layers}-29",
+    ]
 
     one = post(model=MODEL, workers=[ids[1]], strategy="balanced").json()
     assert [s["role"] for s in one["shards"]] == ["head"]

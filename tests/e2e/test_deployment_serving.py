@@ -74,6 +74,14 @@ def test_split_over_three_workers_answers_as_one_machine(
     assert [p["device"] for p in head["placement"]] == ["CPU", "RPC0", "RPC1"]
     assert [p["layers"] for p in head["placement"]] == [10, 10, 10]
     assert served["tensor_split"] == [10, 11] and served["n_gpu_layers"] == 21
+    assert served["devices"] == ["RPC0", "RPC1"]  # no GPU here: the head keeps its layers
+    assert served["layout"] == [
+        "w1/CPU layers 0-9 + token embedding",
+        "w2/CPU layers 10-19",
+        "w3/CPU layers 20-29",
+    ]
+    holders = [(p["worker_name"], p["worker_device"]) for p in head["placement"]]
+    assert holders == [("w1", "CPU"), ("w2", "CPU"), ("w3", "CPU")]
 
     # No RPC server listens beyond 127.0.0.1 (direct mode here binds --rpc-host 127.0.0.1).
     stages = [p for pid in three.pids[1:] for p in rpc_servers(pid)]
@@ -90,6 +98,7 @@ def test_split_over_three_workers_answers_as_one_machine(
     for p in stages:
         argv = p.cmdline()
         assert argv[argv.index("-t") + 1] == "1", argv
+        assert argv[argv.index("-d") + 1] == "CPU", argv  # the device the plan gave it
     for p in [*stages, *heads]:
         assert p.environ().get("GOMP_SPINCOUNT") == str(SPINCOUNT), p.cmdline()
 

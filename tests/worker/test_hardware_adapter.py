@@ -17,6 +17,7 @@ from shoal.worker.hardware import (
     device_args,
     device_environment,
     device_names,
+    shard_devices,
     stage_memory,
     to_wire,
 )
@@ -84,6 +85,26 @@ def test_a_stage_offers_its_gpus_free_memory_or_none_on_the_cpu() -> None:
     assert stage_memory(no_tool, None, LISTED) == 30 * GIB  # as llama.cpp listed it
     assert device_names(TWO_CUDA, "1,0") == ("CUDA1", "CUDA0")
     assert device_names(TWO_CUDA, None) is None
+
+
+def test_each_gpu_is_reported_by_llama_cpps_name_with_its_free_memory() -> None:
+    assert shard_devices(TWO_CUDA, None, ()) == ()  # a CPU build
+    fresh = shard_devices(TWO_CUDA, None, LISTED)  # the vendor tool's figures, by name
+    assert [(d.name, d.free_bytes) for d in fresh] == [("CUDA0", 24 * GIB), ("CUDA1", 8 * GIB)]
+    assert [d.name for d in shard_devices(TWO_CUDA, "1", LISTED[1:])] == ["CUDA1"]
+    no_tool = MachineProfile("rig", "Linux", TWO_CUDA.cpu, 64 * GIB, 60 * GIB)
+    listed = shard_devices(no_tool, None, LISTED)  # as llama.cpp listed them
+    assert [(d.name, d.free_bytes) for d in listed] == [("CUDA0", 23 * GIB), ("CUDA1", 7 * GIB)]
+    mac = MachineProfile(
+        "mac",
+        "Darwin",
+        TWO_CUDA.cpu,
+        64 * GIB,
+        40 * GIB,
+        gpus=(GpuDevice(0, "M2 Max", Accelerator.METAL, 48 * GIB, 40 * GIB, unified_memory=True),),
+    )
+    [mtl] = shard_devices(mac, None, (ComputeDevice("MTL0", "Apple M2 Max", 48 * GIB, 30 * GIB),))
+    assert (mtl.name, mtl.free_bytes, mtl.unified_memory) == ("MTL0", 40 * GIB, True)
 
 
 # ------------------------------------------------------------------ heartbeats' readings

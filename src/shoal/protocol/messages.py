@@ -24,6 +24,7 @@ from shoal.protocol.shards import (
     ModelFile,
     RpcPeer,
     SeedReport,
+    ShardDevice,
     ShardRole,
     ShardStart,
     ShardState,
@@ -33,8 +34,10 @@ from shoal.protocol.shards import (
 )
 from shoal.protocol.telemetry import GpuSample
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """Bumped on any incompatible change; a router refuses workers that speak another version.
+9: ``Register``/``Heartbeat.shard_devices`` (each GPU a split model may use), ``ShardStart.devices``
+(the head's ``--device``, a stage's ``-d``), ``DevicePlacement.compute_bytes``.
 8: ``Heartbeat.gpu_telemetry`` (utilization, memory, temperature and power per GPU) and
 ``Register.gpus_unused`` (a worker whose llama.cpp build drives none of its GPUs says so).
 7: ``StateChanged.backend_url`` (a restarted llama-server listens on a new port).
@@ -169,6 +172,9 @@ class Register(Message):
     stage_memory_bytes: int | None = None
     """What a split model's stage here may hold: the free VRAM of the GPUs its
     ``ggml-rpc-server`` computes on (None: it computes on the CPU, in RAM)."""
+    shard_devices: tuple[ShardDevice, ...] = ()
+    """The GPUs split models' shards may use here, in llama.cpp's order, with their free
+    memory (() : a CPU build, or none chosen); ``stage_memory_bytes`` is their sum."""
     no_shards: str | None = None
     """Why this worker cannot run parts of split models (None: it can)."""
     gpus_unused: str | None = None
@@ -186,6 +192,8 @@ class Heartbeat(Message):
     """Free memory of each GPU in ``Hardware.gpus`` order (None where the tool cannot say)."""
     stage_memory_bytes: int | None = None
     """``Register.stage_memory_bytes``, now."""
+    shard_devices: tuple[ShardDevice, ...] = ()
+    """``Register.shard_devices``, now."""
     cached_blocks: tuple[int, ...] = Field((), max_length=MAX_CACHED_BLOCKS)
     """``CacheChanged.blocks``, now."""
     gpu_telemetry: tuple[GpuSample, ...] = ()
@@ -491,6 +499,7 @@ __all__ = [
     "SeedReport",
     "ShardStart",
     "ShardState",
+    "ShardDevice",
     "ShardStatus",
     "ShardStop",
     "StateChanged",

@@ -37,13 +37,26 @@ class ShardState(enum.StrEnum):
 # ---------------------------------------------------------------- worker -> router
 
 
+class ShardDevice(Message):
+    """A GPU that a worker's llama.cpp build drives and split models' shards may use there."""
+
+    name: str
+    """llama.cpp's name for it, as ``llama-server --list-devices`` prints it: ``CUDA0``,
+    ``ROCm0``, ``Vulkan1``, ``MTL0``."""
+    free_bytes: int = Field(ge=0)
+    unified_memory: bool = False
+    """It shares the machine's RAM (Apple silicon): what it offers is not RAM to spill to."""
+
+
 class DevicePlacement(Message):
     """What llama-server put on one device, read from its load log."""
 
     device: str
-    """``CPU`` (the head itself) or ``RPC0``, ``RPC1``...: the stages, in ``--rpc`` order."""
+    """The head's name for it: ``CPU`` (the head's RAM), one of its own GPUs (``CUDA0``),
+    or ``RPC0``, ``RPC1``...: the stages' devices, numbered across them in ``--rpc`` order."""
     model_bytes: int
     kv_bytes: int = 0
+    compute_bytes: int = 0
 
 
 class SeedReport(Message):
@@ -81,8 +94,8 @@ class ShardStatus(Message):
     rpc_address: str | None = None
     """A direct-mode stage: the ``host:port`` its ``ggml-rpc-server`` listens on."""
     devices: tuple[int, ...] = ()
-    """A ready stage: the free bytes of each device its ``ggml-rpc-server`` serves, in its
-    order (the head splits the stage's layers over them); () for the CPU."""
+    """A ready stage: the free bytes of each GPU its ``ggml-rpc-server`` serves, in its
+    order (() when it serves only its CPU)."""
     placement: tuple[DevicePlacement, ...] = ()
     seed: SeedReport | None = None
     """A stage: what it pre-seeded (None: it has not, or does not)."""
@@ -142,7 +155,12 @@ class ShardStart(Message):
     n_gpu_layers: int = Field(0, ge=0)
     """Head: llama-server's ``-ngl``; the first layers not offloaded stay on the head."""
     tensor_split: tuple[float, ...] = ()
-    """Head: ``--tensor-split`` over the stages, in ``peers`` order."""
+    """Head: ``--tensor-split``, one entry per entry of ``devices``."""
+    devices: tuple[str, ...] = ()
+    """Head: llama-server's ``--device``: its own GPUs that hold layers, then the stages'
+    devices as ``RPC<k>``, numbered across ``peers`` in order (() : nothing offloaded).
+    Stage: the devices its ``ggml-rpc-server`` serves (``-d``), in order: ``CPU`` (its RAM)
+    and its GPUs by llama.cpp's names."""
     peers: tuple[RpcPeer, ...] = ()
     direct: bool = False
     """Stage: listen for the head on the worker's ``--rpc-host`` instead of 127.0.0.1."""

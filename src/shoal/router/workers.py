@@ -22,6 +22,7 @@ from shoal.protocol.messages import (
     Message,
     ModelInfo,
     Register,
+    ShardDevice,
     encode,
 )
 from shoal.protocol.telemetry import GpuSample
@@ -70,6 +71,8 @@ class WorkerConnection:
     """Each GPU's utilization, memory, temperature and power, as of its last heartbeat."""
     stage_memory_bytes: int | None = None
     """What a split model's stage may hold here (``Register.stage_memory_bytes``)."""
+    shard_devices: tuple[ShardDevice, ...] = ()
+    """The GPUs split models may use here, with their free memory (``Register``)."""
     no_shards: str | None = None
     """Why it cannot run parts of split models (None: it can)."""
     gpus_unused: str | None = None
@@ -95,6 +98,7 @@ class WorkerConnection:
             ram_available_bytes=msg.hardware.ram_available_bytes,
             gpu_free_bytes=tuple(g.memory_free_bytes for g in msg.hardware.gpus),
             stage_memory_bytes=msg.stage_memory_bytes,
+            shard_devices=msg.shard_devices,
             no_shards=msg.no_shards,
             gpus_unused=msg.gpus_unused,
         )
@@ -110,6 +114,7 @@ class WorkerConnection:
         self.gpu_free_bytes = msg.gpu_free_bytes
         self.gpu_telemetry = msg.gpu_telemetry
         self.stage_memory_bytes = msg.stage_memory_bytes
+        self.shard_devices = msg.shard_devices
         self.set_cached(msg.cached_blocks)
 
     def set_cached(self, blocks: tuple[int, ...]) -> None:
@@ -197,6 +202,7 @@ class WorkerConnection:
             "gpu_telemetry": [g.model_dump(mode="json") for g in self.gpu_telemetry],
             "stage_memory_bytes": self.stage_memory_bytes,
             "gpus_unused": self.gpus_unused,
+            "shard_devices": [d.model_dump(mode="json") for d in self.shard_devices],
             "backend_url": self.backend_url,
             "software": self.software,
             "peer": self.peer,

@@ -17,14 +17,14 @@ from shoal.hardware.detect import (
     refresh_free_memory,
     split_args,
 )
-from shoal.hardware.profile import MachineProfile
+from shoal.hardware.profile import GpuDevice, MachineProfile
 from shoal.hardware.telemetry import GpuSampler, sampler_for
 from shoal.llama_cpp.backend import BackendChoice
 from shoal.llama_cpp.binaries import Binaries
 from shoal.llama_cpp.coverage import unused_gpus
 from shoal.llama_cpp.devices import ComputeDevice, list_devices
 from shoal.llama_cpp.errors import LlamaCppError
-from shoal.protocol.messages import GpuInfo, Hardware
+from shoal.protocol.messages import GpuInfo, Hardware, ShardDevice
 from shoal.protocol.telemetry import GpuSample
 
 log = logging.getLogger(__name__)
@@ -129,19 +129,39 @@ def device_environment(profile: MachineProfile, gpu_devices: str | None) -> dict
     return device_env(selected(profile, gpu_devices).gpus)
 
 
+def shard_devices(
+    profile: MachineProfile, gpu_devices: str | None, listed: tuple[ComputeDevice, ...]
+) -> tuple[ShardDevice, ...]:
+    """The GPUs split models' shards may use here (``listed``: llama.cpp's, after
+    ``--gpu-devices``), with their free memory: fresh from the vendor tool when it reports
+    every one of them, else as llama.cpp listed it."""
+    gpus = selected(profile, gpu_devices).gpus
+    fresh = {device_name(g): g for g in gpus if g.memory_free_bytes is not None}
+    use_fresh = bool(gpus) and len(fresh) == len(gpus) == len(listed)
+    return tuple(
+        ShardDevice(
+            name=d.name,
+            free_bytes=fresh[d.name].usable_bytes
+            if use_fresh and d.name in fresh
+            else d.free_bytes,
+            unified_memory=d.name in fresh and fresh[d.name].unified_memory,
+        )
+        for d in listed
+    )
+
+
+def _free(listed: ComputeDevice, fresh: GpuDevice | None) -> int:
+    return listed.free_bytes if fresh is None else fresh.usable_bytes
+
+
 def stage_memory(
     profile: MachineProfile, gpu_devices: str | None, listed: tuple[ComputeDevice, ...]
 ) -> int | None:
-    """What a split model's stage may hold here: None when it computes on the CPU (llama.cpp
-    lists no device), else the free memory of its GPUs, fresh from the vendor tool when it
-    reports every one of them, else as llama.cpp listed it."""
+    """What a split model's stage may hold on its GPUs here: None when it computes on the
+    CPU (llama.cpp lists no device), else the free memory of ``shard_devices``."""
     if not listed:
         return None
-    gpus = selected(profile, gpu_devices).gpus
-    free = [g.usable_bytes for g in gpus if g.memory_free_bytes is not None]
-    if gpus and len(free) == len(gpus) == len(listed):
-        return sum(free)
-    return sum(d.free_bytes for d in listed)
+    return sum(d.free_bytes for d in shard_devices(profile, gpu_devices, listed))
 
 
 @dataclass(frozen=True)
@@ -180,6 +200,10 @@ class MemoryProbe:
     def stage_memory(self) -> int | None:
         """``stage_memory`` on the latest profile (``Register``/``Heartbeat``)."""
         return stage_memory(self.profile, self.gpu_devices, self.stage_devices)
+
+    def shard_devices(self) -> tuple[ShardDevice, ...]:
+        """``shard_devices`` on the latest profile (``Register``/``Heartbeat``)."""
+        return shard_devices(self.profile, self.gpu_devices, self.stage_devices)
 
     async def read(self) -> Reading:
         profile, gpus = await asyncio.to_thread(self._measure, self.profile)

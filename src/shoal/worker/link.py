@@ -390,6 +390,7 @@ class RouterLink:
                     ram_available_bytes=reading.ram_available_bytes,
                     gpu_free_bytes=reading.gpu_free_bytes,
                     stage_memory_bytes=self.memory.stage_memory(),
+                    shard_devices=self.memory.shard_devices(),
                     cached_blocks=self.cached_blocks,
                     gpu_telemetry=reading.gpus,
                 )

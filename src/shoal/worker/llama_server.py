@@ -347,6 +347,9 @@ class LlamaServer:
             write(line)
             self.tail.append(line.decode(errors="replace").rstrip())
             if not ready.is_set() and any(m in line for m in READY_MARKERS):
+                # Whoever reads the log once it is ready (a split model's head reads where
+                # the layers went) must find every line up to here, not a buffer short.
+                logf.flush()  # type: ignore[attr-defined]
                 ready.set()
 
 

@@ -248,6 +248,7 @@ def _registration(
             backend_url=serving.backend_url,
             software=f"shoal {__version__}",
             stage_memory_bytes=memory.stage_memory(),
+            shard_devices=memory.shard_devices(),
             no_shards=serving.no_shards,
             gpus_unused=serving.plan.gpus_unused if serving.plan else serving.early_gpus_unused,
         )

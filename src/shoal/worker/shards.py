@@ -66,6 +66,9 @@ log = logging.getLogger(__name__)
 RPC_READY_TIMEOUT_S = 30.0
 """ggml-rpc-server prints nothing flushed at start: readiness is its port accepting."""
 LOCALHOST = "127.0.0.1"
+CPU_DEVICE = "CPU"
+RPC_DEVICE = "RPC"
+"""llama-server's names for the stages' devices: ``RPC0``, ``RPC1``..."""
 
 ALLOWED: dict[ShardState, frozenset[ShardState]] = {
     ShardState.STARTING: frozenset({ShardState.READY, ShardState.FAILED, ShardState.STOPPED}),
@@ -253,10 +256,12 @@ class ShardHost:
             env["LLAMA_CACHE"] = str(self.tools.rpc_cache.llama_cache)
         port = free_port(host)
         argv += ["-H", host, "-p", str(port)]
-        devices = await asyncio.to_thread(self.tools.devices)
-        if devices:
-            argv += ["-d", ",".join(d.name for d in devices)]
-        shard.devices = tuple(d.free_bytes for d in devices)
+        listed = await asyncio.to_thread(self.tools.devices)
+        served = served_devices(spec.devices, listed)
+        if served:
+            argv += ["-d", ",".join(served)]
+        free = {d.name: d.free_bytes for d in listed}
+        shard.devices = tuple(free[name] for name in served if name in free)
         log_file = self.tools.logs / f"ggml-rpc-server-{_safe(spec.deployment)}.log"
         log_file.parent.mkdir(parents=True, exist_ok=True)
         log.info("deployment %s: starting %s", spec.deployment, " ".join(argv))
@@ -296,6 +301,10 @@ class ShardHost:
 
     async def _head(self, shard: _Shard) -> None:
         spec = shard.spec
+        own = [d for d in spec.devices if not d.startswith(RPC_DEVICE)]
+        if own:
+            listed = await asyncio.to_thread(self.tools.devices)
+            _check_listed(own, listed)
         path = await asyncio.to_thread(self.tools.resolve, spec)
         async with AsyncExitStack() as stack:
             rpc: list[str] = []
@@ -315,7 +324,7 @@ class ShardHost:
                 log_file=log_file,
                 threads=self.tools.threads,
                 max_restarts=0,  # a stage died: the whole split is redeployed, not the head
-                device_args=_rpc_args(rpc, spec),
+                device_args=head_args(rpc, spec),
                 env=self.tools.env,
             )
             log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -336,7 +345,12 @@ class ShardHost:
                     f.seek(offset)
                     devices = placement(f, rpc)  # raises if a stage was left out
                 shard.placement = tuple(
-                    DevicePlacement(device=d.device, model_bytes=d.model_bytes, kv_bytes=d.kv_bytes)
+                    DevicePlacement(
+                        device=d.device,
+                        model_bytes=d.model_bytes,
+                        kv_bytes=d.kv_bytes,
+                        compute_bytes=d.compute_bytes,
+                    )
                     for d in devices
                 )
                 target = BackendTarget(spec.model, stream_upstream=True, token_ids=True)
@@ -376,16 +390,43 @@ class ShardHost:
         )
 
 
-def _rpc_args(rpc: list[str], spec: ShardStart) -> tuple[str, ...]:
-    split = ",".join(f"{x:g}" for x in spec.tensor_split)
-    args = ["--rpc", ",".join(rpc), "--n-gpu-layers", str(spec.n_gpu_layers)]
-    if split:
-        # Only the stages' devices (RPC<n>, one per device a stage serves): a GPU of the head
-        # would come after them and take layers the plan gave nobody.
-        devices = ",".join(f"RPC{n}" for n in range(len(spec.tensor_split)))
-        args += ["--device", devices, "--tensor-split", split]
+def head_args(rpc: list[str], spec: ShardStart) -> tuple[str, ...]:
+    """llama-server's arguments for a head: ``--rpc`` first (``--device`` names its devices,
+    which exist once it is parsed), then the plan's offload (``offload_args``)."""
+    args = ("--rpc", ",".join(rpc)) if rpc else ()
     # No automatic fit: the plan decides; -lv 4 makes the load log say where layers went.
-    return (*args, "--fit", "off", "--cache-ram", "0", "-lv", "4")
+    return (*args, *offload_args(spec), "--fit", "off", "--cache-ram", "0", "-lv", "4")
+
+
+def offload_args(spec: ShardStart) -> tuple[str, ...]:
+    """``-ngl``, ``--device`` (the head's GPUs that hold layers, then ``RPC<k>``; ``none``:
+    nothing offloaded, so a GPU of the head the plan gave nothing stays out) and
+    ``--tensor-split``, as the router planned them."""
+    args = ["--n-gpu-layers", str(spec.n_gpu_layers), "--device", ",".join(spec.devices) or "none"]
+    if spec.tensor_split:
+        args += ["--tensor-split", ",".join(f"{x:g}" for x in spec.tensor_split)]
+    return tuple(args)
+
+
+def served_devices(named: tuple[str, ...], listed: tuple[ComputeDevice, ...]) -> tuple[str, ...]:
+    """What a stage's ``ggml-rpc-server -d`` serves: the devices the router named (``CPU``
+    and GPUs by llama.cpp's names), checked against what this build lists; none named (an
+    older router): every GPU listed, or the CPU (ggml-rpc-server's own default)."""
+    if not named:
+        return tuple(d.name for d in listed)
+    _check_listed([n for n in named if n.upper() != CPU_DEVICE], listed)
+    return named
+
+
+def _check_listed(names: list[str], listed: tuple[ComputeDevice, ...]) -> None:
+    known = {d.name for d in listed}
+    missing = [n for n in names if n not in known]
+    if missing:
+        raise RuntimeError(
+            f"the router planned layers on {', '.join(missing)}, which this worker's llama.cpp "
+            f"does not list (it lists: {', '.join(sorted(known)) or 'no GPU'}); the worker's "
+            "GPUs changed since it registered, or --gpu-devices leaves them out"
+        )
 
 
 async def _wait_listening(host: str, port: int, proc: asyncio.subprocess.Process) -> None:

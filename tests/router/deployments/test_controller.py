@@ -21,8 +21,10 @@ from deployment_rig import (
 from router.socketless import worker_connection
 from shoal.models.errors import ModelError
 from shoal.protocol.messages import (
+    DevicePlacement,
     ModelFile,
     SeedReport,
+    ShardDevice,
     ShardRole,
     ShardStart,
     ShardState,
@@ -40,6 +42,7 @@ from shoal.router.deployments.nodes import planning_nodes
 from shoal.router.deployments.placement import Strategy
 from shoal.router.errors import BadRequest
 from shoal.router.workers import Registry
+from shoal.worker.shards import head_args
 
 
 async def test_stages_first_then_the_head_with_the_plans_numbers(
@@ -70,8 +73,16 @@ async def test_a_stage_with_two_gpus_gets_its_layers_spread_over_both(
 ) -> None:
     registry = Registry()
     a, b, c = (connect(registry, n) for n in "abc")
+    b.shard_devices = (
+        ShardDevice(name="CUDA0", free_bytes=24 * GIB),
+        ShardDevice(name="CUDA1", free_bytes=8 * GIB),
+    )
     controller = await deployed(model_path, registry, tmp_path)
-    sent(b), sent(c)
+    [b_start], [c_start] = sent(b), sent(c)
+    assert isinstance(b_start, ShardStart) and isinstance(c_start, ShardStart)
+    # Balanced over every device: a's RAM, b's two GPUs (its RAM only spills), c's RAM.
+    assert (b_start.devices, b_start.layers) == (("CUDA0", "CUDA1"), (8, 22))
+    assert (c_start.devices, c_start.layers) == (("CPU",), (23, 29))
     two_gpus = ShardStatus(
         deployment="split",
         role=ShardRole.STAGE,
@@ -83,10 +94,62 @@ async def test_a_stage_with_two_gpus_gets_its_layers_spread_over_both(
     controller.on_shard(c, status(c, ShardRole.STAGE, ShardState.READY))
     [head] = sent(a)
     assert isinstance(head, ShardStart)
-    # b's 10 layers over its two GPUs by free memory (3:1), then c's 10 + the output layer.
-    assert head.n_gpu_layers == 21 and head.tensor_split == (8.0, 2.0, 11.0)
+    # a keeps 8 layers on its CPU; b's GPUs are RPC0 and RPC1, c's RAM RPC2 (+ the output).
+    assert head.n_gpu_layers == 23 and head.devices == ("RPC0", "RPC1", "RPC2")
+    assert head.tensor_split == (8.0, 7.0, 8.0)
     view = controller.status()[0]
     assert view["shards"][1]["device_free_bytes"] == [24 * GIB, 8 * GIB]
+    assert view["layout"] == [
+        "a/CPU layers 0-7 + token embedding",
+        "b/CUDA0 layers 8-15",
+        "b/CUDA1 layers 16-22",
+        "c/CPU layers 23-29",
+    ]
+    assert [(d["device"], d["layers"]) for d in view["shards"][1]["devices"]] == [
+        ("CUDA0", [8, 15]),
+        ("CUDA1", [16, 22]),
+    ]
+
+
+async def test_a_gpu_head_puts_the_first_layers_on_its_gpu(
+    model_path: Path, tmp_path: Path
+) -> None:
+    """The head's GPU takes layers: its command line names it before the stages' devices,
+    and what the head reports it placed is shown as whose device holds what."""
+    registry = Registry()
+    a, b, c = (connect(registry, n) for n in "abc")
+    a.shard_devices = (ShardDevice(name="CUDA0", free_bytes=80 * GIB),)
+    c.shard_devices = (ShardDevice(name="CUDA0", free_bytes=80 * GIB),)
+    controller = await deployed(model_path, registry, tmp_path)
+    [b_start], [c_start] = sent(b), sent(c)
+    assert isinstance(b_start, ShardStart) and isinstance(c_start, ShardStart)
+    assert (b_start.devices, c_start.devices) == (("CPU",), ("CUDA0",))
+    for w in (b, c):
+        controller.on_shard(w, status(w, ShardRole.STAGE, ShardState.READY))
+    [head] = sent(a)
+    assert isinstance(head, ShardStart)
+    assert head.n_gpu_layers == 31 and head.devices == ("CUDA0", "RPC0", "RPC1")
+    assert head.tensor_split == (10.0, 10.0, 11.0)
+    argv = head_args(["127.0.0.1:5001", "127.0.0.1:5002"], head)
+    assert argv[argv.index("--device") + 1] == "CUDA0,RPC0,RPC1"
+    assert argv[argv.index("--tensor-split") + 1] == "10,10,11"
+    assert argv[argv.index("--n-gpu-layers") + 1] == "31"
+    assert argv.index("--rpc") < argv.index("--device")  # llama-server resolves names in order
+    mib = 2**20
+    placed = tuple(
+        DevicePlacement(device=name, model_bytes=m * mib, kv_bytes=k * mib)
+        for name, m, k in (("CPU", 50, 0), ("CUDA0", 30, 10), ("RPC0", 30, 10), ("RPC1", 31, 10))
+    )
+    ready = status(a, ShardRole.HEAD, ShardState.READY).model_copy(update={"placement": placed})
+    controller.on_shard(a, ready)
+    view = controller.status()[0]
+    assert view["state"] == "serving"
+    assert "a/CUDA0 30.0 MiB" in view["detail"] and "c/CUDA0 31.0 MiB" in view["detail"]
+    by_device = {p["device"]: p for p in view["shards"][0]["placement"]}
+    assert by_device["CPU"]["planned_layers"] is None  # the token embedding only
+    assert (by_device["CUDA0"]["worker"], by_device["CUDA0"]["planned_layers"]) == ("a", [0, 9])
+    assert (by_device["RPC1"]["worker"], by_device["RPC1"]["worker_device"]) == ("c", "CUDA0")
+    assert by_device["RPC1"]["planned_layers"] == [20, 29]
 
 
 async def test_a_build_mismatch_is_refused_naming_both_builds(
@@ -328,3 +391,21 @@ async def test_a_file_that_cannot_be_pinned_leaves_the_deployment_pending(
     d = controller.items["big"]
     assert d.state is DeploymentState.PENDING and "gone from the cache" in d.detail
     assert sent(b) == []
+
+
+async def test_rebalance_redeploys_when_only_the_devices_change(
+    model_path: Path, tmp_path: Path
+) -> None:
+    registry = Registry()
+    a, b, c = (connect(registry, n) for n in "abc")
+    b.shard_devices = (ShardDevice(name="CUDA0", free_bytes=8 * GIB),)
+    controller = await deployed(model_path, registry, tmp_path)
+    d = controller.items["split"]
+    assert d.plan is not None and d.plan.shards[1].holders[0].device == "CUDA0"
+    assert d.state is DeploymentState.STARTING
+    controller.rebalance("split")
+    assert d.state is DeploymentState.STARTING  # nothing changed: left alone
+    b.shard_devices = (ShardDevice(name="CUDA1", free_bytes=8 * GIB),)  # same memory, other GPU
+    controller.rebalance("split")
+    assert d.state is DeploymentState.PENDING and d.detail == "rebalancing"
+    assert [m for m in sent(b) if isinstance(m, ShardStop)]

@@ -179,6 +179,19 @@ def test_to_json() -> None:
         "total_bytes": 202,
         "free_bytes": 1000,
         "margin_bytes": 798,
+        "devices": [  # a node without GPUs: all on its CPU
+            {
+                "device": "CPU",
+                "first_layer": 2,
+                "last_layer": 3,
+                "weight_bytes": 202,
+                "kv_bytes": 0,
+                "compute_bytes": 0,
+                "total_bytes": 202,
+                "free_bytes": 1000,
+                "margin_bytes": 798,
+            }
+        ],
     }
 
 

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-PURE = ("placement", "launch", "deployment", "profile")
+PURE = ("placement", "placement_search", "launch", "deployment", "profile")
 IO_PACKAGES = ("redis", "sqlalchemy", "fastapi", "starlette", "aiohttp", "httpx", "websockets")
 
 

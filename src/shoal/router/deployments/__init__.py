@@ -8,15 +8,17 @@ The words, used the same way in code, API, docs and dashboard:
 * **head**: the shard that runs ``llama-server --rpc`` and serves the requests (the first);
 * **stage**: a shard that runs ``ggml-rpc-server`` and holds layers for the head;
 * **plan**: the planner's output, which layers go where (``placement.Plan``); the planner
-  sees workers as **nodes** (an id and the memory it offers) and calls the last shard of a
-  plan the **tail** (it holds the output layer; it runs as a stage).
+  sees workers as **nodes** (an id, its RAM and its GPUs: the **devices** it offers, each
+  holding a range of the shard's layers) and calls the last shard of a plan the **tail** (it
+  holds the output layer; it runs as a stage).
 
 "A split model" is plain English for a deployment's model. The public routes keep the
 paths they were first published under, ``/api/v1/pipeline/...``.
 
-Pure (data in, decision out; no I/O, no router state): ``placement`` (the layer planner),
-``profile`` (a GGUF → the planner's profile), ``launch`` (a plan → the head's arguments,
-and placed layers read back), ``deployment`` (what was asked, and the state machine).
+Pure (data in, decision out; no I/O, no router state): ``placement`` (the layer planner;
+its search in ``placement_search``), ``profile`` (a GGUF → the planner's profile),
+``launch`` (a plan → the head's ``--device``/``--tensor-split``/``-ngl`` and each stage's
+``-d``, and placed layers read back), ``deployment`` (what was asked, and the state machine).
 The rest runs in the router, which owns the workers' connections: ``controller`` (the loop
 that deploys and heals), ``shards`` (what starts and stops a deployment's shards on the
 workers, in order), ``nodes`` (which workers a plan is made over), ``store`` (the

@@ -56,6 +56,7 @@ from shoal.router.deployments.deployment import (
     DeploymentSpec,
     DeploymentState,
 )
+from shoal.router.deployments.launch import too_many_devices
 from shoal.router.deployments.leases import DeploymentLeases
 from shoal.router.deployments.nodes import deployment_nodes
 from shoal.router.deployments.placement import Node, NoFit, Plan
@@ -359,6 +360,9 @@ class Deployments:
         if isinstance(result, NoFit):
             self._pending(d, result.reason)
             return
+        if (why := too_many_devices(result)) is not None:
+            self._pending(d, why)
+            return
         try:
             d.file = self.pin(d.spec.source)  # the file planned with: every shard uses it
         except Exception as exc:  # the file went away or broke: say so, keep the deployment
@@ -418,8 +422,11 @@ def _settings(spec: DeploymentSpec) -> DeploymentSpec:
     return dataclasses.replace(spec, created_at=0.0)
 
 
-def _layout(plan: Plan) -> tuple[tuple[str, int, int], ...]:
-    return tuple((s.node_id, s.first_layer, s.last_layer) for s in plan.shards)
+def _layout(plan: Plan) -> tuple[tuple[str, str, int, int], ...]:
+    """Which device of which worker holds which layers: a rebalance redeploys when it changes."""
+    return tuple(
+        (s.node_id, d.device, d.first_layer, d.last_layer) for s in plan.shards for d in s.holders
+    )
 
 
 def _backoff(attempts: int) -> float:

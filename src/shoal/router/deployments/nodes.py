@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shoal.router.deployments.placement import Node
+from shoal.router.deployments.placement import Gpu, Node
 from shoal.router.errors import BadRequest
 from shoal.router.worker_names import UnknownWorkers, resolve_workers
 from shoal.router.workers import Registry, WorkerConnection
@@ -38,17 +38,20 @@ def deployment_nodes(registry: Registry, wanted: tuple[str, ...] | None) -> list
 def shard_nodes(workers: list[WorkerConnection]) -> list[Node]:
     """Planner nodes for ``workers`` in shard order: the first is the head, the rest stages.
 
-    A stage offers what its ``ggml-rpc-server`` computes on: the free VRAM of its GPUs, or
-    its RAM on the CPU. The head offers its RAM even with a GPU: llama.cpp lists RPC devices
-    before local GPUs and offloads the *last* layers, so the head's own (first) layers stay
-    on its CPU.
+    Every worker offers the same, head or stage: its free RAM and the GPUs its llama.cpp
+    build drives (``Register.shard_devices``: llama.cpp's names, free memory). The head runs
+    its first layers on its own GPUs (``--device`` puts them before the stages'), a stage
+    on its ``ggml-rpc-server``'s; the planner spills layers to a GPU worker's RAM only when
+    the model does not fit otherwise. A GPU that shares the RAM (unified memory) offers its
+    part of it: the RAM offers what is left.
     """
-    nodes = []
-    for n, w in enumerate(workers):
-        stage_memory = w.stage_memory_bytes if n > 0 else None
-        free = stage_memory if stage_memory is not None else w.ram_available_bytes
-        nodes.append(Node(id=w.id, free_bytes=free))
-    return nodes
+    return [node_of(w) for w in workers]
+
+
+def node_of(w: WorkerConnection) -> Node:
+    gpus = tuple(Gpu(d.name, d.free_bytes) for d in w.shard_devices)
+    shared = sum(d.free_bytes for d in w.shard_devices if d.unified_memory)
+    return Node(id=w.id, free_bytes=max(0, w.ram_available_bytes - shared), gpus=gpus)
 
 
 def planning_nodes(registry: Registry, wanted: list[str] | None) -> list[Node]:

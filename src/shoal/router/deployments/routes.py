@@ -26,9 +26,11 @@ from shoal.protocol.ids import WorkerId
 from shoal.router.context import context
 from shoal.router.deployments.controller import DeploymentError, Deployments
 from shoal.router.deployments.deployment import NAME_RE, DeploymentSpec
+from shoal.router.deployments.launch import head_launch, stage_devices, too_many_devices
 from shoal.router.deployments.nodes import planning_nodes
 from shoal.router.deployments.placement import NoFit, Shard, Strategy
 from shoal.router.deployments.profile import plan_for
+from shoal.router.deployments.views import device_json
 from shoal.router.errors import BadRequest, Conflict, ModelNotFound, NotFound
 from shoal.router.routes.common import json_response
 from shoal.router.worker_names import UnknownWorkers, resolve_workers
@@ -111,11 +113,20 @@ async def plan_pipeline(request: Request, body: PlanRequest) -> Response:
         )
     else:
         names = ctx.registry.names()
+        launch = head_launch(result)
         answer.update(
             fits=True,
+            refused=too_many_devices(result),
             strategy=result.strategy.value,
             head_worker=result.shards[0].node_id,
             tensor_split=list(result.tensor_split),
+            layout=result.layout({str(i): name for i, name in names.items()}),
+            head={
+                "n_gpu_layers": launch.n_gpu_layers,
+                "devices": list(launch.devices),
+                "tensor_split": list(launch.tensor_split),
+            },
+            stage_devices=[list(d) for d in stage_devices(result)],
             shards=[
                 _shard_json(s, names, info, i, len(result.shards))
                 for i, s in enumerate(result.shards)
@@ -239,5 +250,6 @@ def _shard_json(
         "total_bytes": shard.total_bytes,
         "free_bytes": shard.free_bytes,
         "margin_bytes": shard.margin_bytes,
+        "devices": [device_json(d) for d in shard.devices],
         "preseed_bytes": seeded,
     }

@@ -22,7 +22,7 @@ from typing import Protocol
 from shoal.protocol.ids import ModelName, WorkerId
 from shoal.protocol.messages import RpcPeer, ShardRole, ShardStart, ShardStop
 from shoal.router.deployments.deployment import Deployment, ShardView, TunnelBytes
-from shoal.router.deployments.launch import head_launch
+from shoal.router.deployments.launch import Holder, head_launch, holders, stage_devices
 from shoal.router.deployments.placement import Plan
 from shoal.router.workers import Registry, WorkerConnection
 
@@ -51,13 +51,16 @@ class Shards:
         self.tunnels = tunnels
 
     def start_stages(self, d: Deployment) -> None:
-        """Send every stage of ``d`` its ``ShardStart``: its layers, and the output layer to
-        the last."""
+        """Send every stage of ``d`` its ``ShardStart``: its layers and the devices it serves
+        them from, and the output layer to the last."""
+        assert d.plan is not None
+        devices = stage_devices(d.plan)
         for n, shard in enumerate(d.stages):
             start = shard_start(d, ShardRole.STAGE).model_copy(
                 update={
                     "layers": (shard.first_layer, shard.last_layer),
                     "output": n == len(d.stages) - 1,
+                    "devices": devices[n],
                 }
             )
             self._send(shard.worker_id, start)
@@ -81,12 +84,13 @@ class Shards:
                 peers.append(self.tunnels.open(d.name, stage))
             except RuntimeError as exc:  # the listener is not up (yet), or the stage left
                 return f"no tunnel to stage {shard.worker_id}: {exc}"
-        launch = head_launch(d.plan, [s.devices for s in d.stages])
+        launch = head_launch(d.plan)
         start = shard_start(d, ShardRole.HEAD).model_copy(
             update={
                 "peers": tuple(peers),
                 "n_gpu_layers": launch.n_gpu_layers,
                 "tensor_split": tuple(float(x) for x in launch.tensor_split),
+                "devices": launch.devices,
             }
         )
         self._send(head.worker_id, start)
@@ -157,9 +161,18 @@ def other_builds(d: Deployment, reported: ShardView) -> str:
 
 
 def placement_note(d: Deployment) -> str:
-    """The serving detail: where the head reported its layers went (device and MiB)."""
+    """The serving detail: where the head reported its layers went (worker/device and MiB)."""
     head = d.head
-    if head is None or not head.placement:
+    if head is None or not head.placement or d.plan is None:
         return "serving"
-    devices = ", ".join(f"{p.device} {p.model_bytes / 2**20:.1f} MiB" for p in head.placement)
+    who = holders(d.plan)
+    devices = ", ".join(
+        f"{where(who, p.device)} {p.model_bytes / 2**20:.1f} MiB" for p in head.placement
+    )
     return f"serving; placement: {devices}"
+
+
+def where(who: dict[str, Holder], device: str) -> str:
+    """``worker/device`` for a device as the head names it (itself when the plan does not)."""
+    h = who.get(device)
+    return f"{h.worker}/{h.device}" if h is not None else device

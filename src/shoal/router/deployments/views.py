@@ -7,7 +7,8 @@ from typing import Any
 
 from shoal.protocol.ids import WorkerId
 from shoal.router.deployments.deployment import Deployment, ShardView, TunnelBytes
-from shoal.router.deployments.launch import head_launch, placed_layers
+from shoal.router.deployments.launch import head_launch, holders, placed_layers
+from shoal.router.deployments.placement import DeviceShare, Plan
 from shoal.router.workers import Registry
 
 
@@ -19,7 +20,8 @@ def deployment_view(
     tunnel: TunnelBytes,
 ) -> dict[str, Any]:
     """A deployment as ``/api/v1/pipeline/status`` shows it (and its holder publishes it)."""
-    launch = head_launch(d.plan, [s.devices for s in d.stages]) if d.plan else None
+    launch = head_launch(d.plan) if d.plan else None
+    names = {str(i): name for i, name in registry.names().items()}
     return {
         "name": d.name,
         "model": d.spec.source,
@@ -33,7 +35,11 @@ def deployment_view(
         "n_layers": n_layers,
         "n_gpu_layers": launch.n_gpu_layers if launch else None,
         "tensor_split": list(launch.tensor_split) if launch else None,
-        "shards": [_shard_view(s, registry, kv_per_layer) for s in d.shards],
+        "devices": list(launch.devices) if launch else None,
+        "layout": d.plan.layout(names) if d.plan else [],
+        "shards": [
+            _shard_view(s, registry, kv_per_layer, d.plan, i) for i, s in enumerate(d.shards)
+        ],
         "tunnel_bytes": _bytes(tunnel),
         "last_deploy": (
             {"seconds": d.last_deploy.seconds, "tunnel_bytes": _bytes(d.last_deploy.tunnel)}
@@ -47,30 +53,73 @@ def _bytes(t: TunnelBytes) -> dict[str, int]:
     return {"to_stages": t.to_stages, "to_head": t.to_head}
 
 
-def _shard_view(s: ShardView, registry: Registry, kv_per_layer: int) -> dict[str, Any]:
+def device_json(d: DeviceShare) -> dict[str, Any]:
+    """One device of a planned shard: its layers (None: the token embedding only), bytes."""
+    return {
+        "device": d.device,
+        "layers": [d.first_layer, d.last_layer] if d.n_layers else None,
+        "n_layers": d.n_layers,
+        "weight_bytes": d.weight_bytes,
+        "kv_bytes": d.kv_bytes,
+        "compute_bytes": d.compute_bytes,
+        "total_bytes": d.total_bytes,
+        "free_bytes": d.free_bytes,
+        "margin_bytes": d.margin_bytes,
+    }
+
+
+def _shard_view(
+    s: ShardView, registry: Registry, kv_per_layer: int, plan: Plan | None, index: int
+) -> dict[str, Any]:
     worker = registry.get(WorkerId(s.worker_id))
-    placed = (
-        placed_layers([p.kv_bytes for p in s.placement], kv_per_layer)
-        if kv_per_layer and s.placement
-        else ()
-    )
+    planned = plan.shards[index] if plan is not None else None
     return {
         "worker": s.worker_id,
         "worker_name": worker.name if worker else None,
         "role": s.role.value,
         "layers": [s.first_layer, s.last_layer],
         "n_layers": s.last_layer - s.first_layer + 1,
+        "devices": [device_json(d) for d in planned.devices] if planned else [],
         "state": s.state.value,
         "detail": s.detail,
         "planned_bytes": s.planned_bytes,
         "free_bytes": s.free_bytes,
         "device_free_bytes": list(s.devices),
         "build": s.build or None,
-        "placement": [
-            {"device": p.device, "model_bytes": p.model_bytes, "kv_bytes": p.kv_bytes}
-            | ({"layers": placed[i]} if placed else {})
-            for i, p in enumerate(s.placement)
-        ],
+        "placement": _placement(s, registry, kv_per_layer, plan),
         "seed": s.seed.model_dump() if s.seed is not None else None,
         "last_heartbeat_s_ago": (round(time.monotonic() - worker.last_seen, 3) if worker else None),
     }
+
+
+def _placement(
+    s: ShardView, registry: Registry, kv_per_layer: int, plan: Plan | None
+) -> list[dict[str, Any]]:
+    """What the head reported it put on each device: the device by the head's name, with
+    the worker and device that name stands for, and the layers its KV buffer holds."""
+    placed = (
+        placed_layers([p.kv_bytes for p in s.placement], kv_per_layer)
+        if kv_per_layer and s.placement
+        else ()
+    )
+    who = holders(plan) if plan is not None else {}
+    out = []
+    for i, p in enumerate(s.placement):
+        entry: dict[str, Any] = {
+            "device": p.device,
+            "model_bytes": p.model_bytes,
+            "kv_bytes": p.kv_bytes,
+            "compute_bytes": p.compute_bytes,
+        }
+        if (h := who.get(p.device)) is not None:
+            holder = registry.get(WorkerId(h.worker))
+            entry |= {
+                "worker": h.worker,
+                "worker_name": holder.name if holder else None,
+                "worker_device": h.device,
+                "planned_layers": list(h.layers) if h.layers else None,
+            }
+        if placed:
+            entry["layers"] = placed[i]
+        out.append(entry)
+    return out

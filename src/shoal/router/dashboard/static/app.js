@@ -419,12 +419,19 @@ function layerMap(d) {
     "aria-label": `${d.n_layers} layers` }, ...cells);
 }
 
+// Which device of a shard's worker holds which layers ("CUDA0 layers 0–26, …").
+function shardDevices(s) {
+  const held = (s.devices || []).filter((d) => d.layers)
+    .map((d) => `${d.device} layers ${d.layers[0]}–${d.layers[1]}`);
+  return held.length ? held.join(", ") : `layers ${s.layers[0]}–${s.layers[1]}`;
+}
+
 function deploymentCard(d) {
   const legend = d.shards.map((s) => {
     const swatch = el("span", { class: "swatch" });
     swatch.style.backgroundColor = workerColor(s.worker);
     return el("li", {}, swatch, el("span", { class: "name", text: s.worker_name || s.worker }),
-      el("span", { class: "muted", text: `${s.role} · layers ${s.layers[0]}–${s.layers[1]} · ${formatBytes(s.planned_bytes)}` }),
+      el("span", { class: "muted", text: `${s.role} · ${shardDevices(s)} · ${formatBytes(s.planned_bytes)}` }),
       statePill(s.state));
   });
   const head = el("header", { class: "card-head" }, el("h3", { class: "wrap", text: d.name }), statePill(d.state));

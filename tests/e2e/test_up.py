@@ -28,8 +28,10 @@ def start_up(
     model_path: Path,
     *flags: str,
     database: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> tuple[Proc, int]:
-    """``shoal up`` as a user runs it, waited on until it prints its banner."""
+    """``shoal up`` as a user runs it, waited on until it prints its banner; ``env``: more
+    variables in its environment."""
     port = free_port()
     argv = [
         sys.executable,
@@ -51,10 +53,8 @@ def start_up(
         str(tmp_path / "cache"),
     ]
     database = database or tmp_path
-    env = clean_env(
-        **{CLUSTER_TAG: str(tmp_path), "SHOAL_DATABASE_URL": f"sqlite:///{database}/shoal.db"}
-    )
-    proc = Proc("up", argv, tmp_path / "up.log", env).start()
+    variables = {CLUSTER_TAG: str(tmp_path), "SHOAL_DATABASE_URL": f"sqlite:///{database}/shoal.db"}
+    proc = Proc("up", argv, tmp_path / "up.log", clean_env(**variables, **(env or {}))).start()
     wait_until(lambda: "Shoal is up." in proc.log() or not proc.alive(), 90, "the banner")
     assert proc.alive(), proc.log()[-3000:]
     return proc, port
@@ -70,8 +70,9 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path, llama_server: Path, model_p
         admin = re.search(r"Admin key: +(ak-shoal-\S+)", log)
         assert key is not None and admin is not None, log[-2000:]
         curl = re.search(r"curl -N (\S+)", log)
-        assert curl is not None and f"export SHOAL_API_KEY={key.group(1)}\n" in log
-        assert 'Bearer $SHOAL_API_KEY"' in log
+        assert curl is not None and f"export OPENAI_API_KEY={key.group(1)}\n" in log
+        assert f"export OPENAI_BASE_URL=http://127.0.0.1:{port}/v1\n" in log
+        assert 'Bearer $OPENAI_API_KEY"' in log
         body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
         assert httpx.post(curl.group(1), json=body).status_code == 401
         auth = {"Authorization": f"Bearer {key.group(1)}"}
@@ -93,7 +94,8 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path, llama_server: Path, model_p
         assert key.group(1) not in again.log() and admin.group(1) not in again.log()
         assert "the inference key the first run printed" in again.log()
         assert "shoal keys create --scope inference" in again.log()
-        assert "export SHOAL_API_KEY" not in again.log()  # nothing to export: it has no key
+        assert "export OPENAI_API_KEY" not in again.log()  # nothing to export: it has no key
+        assert "Try it, with that key in OPENAI_API_KEY:" in again.log()
     finally:
         again.signal(signal.SIGINT)
         assert again.wait(30) == 0
@@ -102,7 +104,10 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path, llama_server: Path, model_p
 def test_up_beyond_loopback_generates_a_key(
     tmp_path: Path, llama_server: Path, model_path: Path
 ) -> None:
-    proc, port = start_up(tmp_path, llama_server, model_path, "--host", "0.0.0.0")
+    """Beyond loopback only its keys open it: not a key a client exported in the shell that
+    started it (SHOAL_API_KEY was read as --api-key before; it is ignored, with a warning)."""
+    exported = {"SHOAL_API_KEY": "sk-client-export", "OPENAI_API_KEY": "sk-client-export"}
+    proc, port = start_up(tmp_path, llama_server, model_path, "--host", "0.0.0.0", env=exported)
     try:
         key = re.search(r"API key: +(sk-shoal-\S+)", proc.log())
         assert key is not None
@@ -110,6 +115,10 @@ def test_up_beyond_loopback_generates_a_key(
         assert httpx.get(url).status_code == 401
         assert httpx.get(url, headers={"Authorization": f"Bearer {key.group(1)}"}).is_success
         assert proc.log().count(key.group(1)) == 2  # the banner's key line and its export only
+        exported_key = {"Authorization": "Bearer sk-client-export"}
+        assert httpx.get(url, headers=exported_key).status_code == 401
+        assert proc.log().count("SHOAL_API_KEY is set here and ignored") == 1
+        assert "sk-client-export" not in proc.log()
     finally:
         proc.signal(signal.SIGTERM)
         assert proc.wait(30) == 0
@@ -137,16 +146,16 @@ def test_readme_quick_start_runs_as_written(
     tmp_path: Path, llama_server: Path, model_path: Path
 ) -> None:
     """The README's first screen: what ``shoal up`` prints, its curl, and the Python example
-    pasted into a shell where SHOAL_API_KEY holds the key (read from the README itself, so
-    the test fails when the README and ``shoal up`` drift apart)."""
+    pasted into the shell where the banner's two exports ran (read from the README itself,
+    so the test fails when the README and ``shoal up`` drift apart)."""
     proc, port = start_up(tmp_path, llama_server, model_path)
     try:
         log = proc.log()
         readme_banner = KEY.sub(r"\1-shoal-KEY", readme_block("What you get"))
         assert banner_of(log, port) == readme_banner
-        export = re.search(r"^  export SHOAL_API_KEY=(sk-shoal-\S+)$", log, re.MULTILINE)
-        assert export is not None, log[-2000:]
-        env = clean_env(SHOAL_API_KEY=export.group(1))
+        exports = dict(re.findall(r"^  export (OPENAI_\w+)=(\S+)$", log, re.MULTILINE))
+        assert exports.keys() == {"OPENAI_BASE_URL", "OPENAI_API_KEY"}, log[-2000:]
+        env = clean_env(**exports)
 
         # The banner's "Try it" lines, pasted into a shell as they are.
         try_it = log[log.index("Try it:\n") + len("Try it:\n") : log.index("Press Ctrl-C")]
@@ -157,10 +166,10 @@ def test_readme_quick_start_runs_as_written(
         assert shell.stdout.rstrip().endswith("data: [DONE]"), shell.stdout[-2000:]
         assert '"delta"' in shell.stdout, shell.stdout[-2000:]
 
-        # The README's Python example, with the official openai client.
+        # The README's Python example, with the official openai client (which reads the
+        # base URL and the key from those variables on its own).
         example = readme_block("What you get", "python")
-        assert example.count(f"{README_URL}/v1") == 1, example
-        example = example.replace(README_URL, f"http://127.0.0.1:{port}")
+        assert "OpenAI()" in example and README_URL not in example, example
         run = subprocess.run(
             [sys.executable, "-c", example], env=env, capture_output=True, text=True, timeout=120
         )

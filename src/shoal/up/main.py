@@ -13,6 +13,7 @@ from shoal.keys import KeyStoreError, Scope, ensure_bootstrap_keys, open_store
 from shoal.router.app import RouterConfigError, bind, serve
 from shoal.router.settings import RouterSettings
 from shoal.security import is_loopback
+from shoal.settings import flag_and_variable
 from shoal.up.settings import UpSettings
 from shoal.worker.hardware import detect_profile
 from shoal.worker.main import run_worker
@@ -29,8 +30,9 @@ class UpError(Exception):
 def banner(url: str, model: str, new_keys: dict[Scope, str] | None, extra_key: str | None) -> str:
     """What ``shoal up`` prints once everything is ready; new keys are shown this once.
 
-    The "Try it" lines read the key from ``SHOAL_API_KEY``, as the README's examples do, and
-    on the run that creates the keys they start by exporting it.
+    The "Try it" lines export what every OpenAI client reads on its own (``OPENAI_BASE_URL``,
+    ``OPENAI_API_KEY``), as the README's examples do; the key's export only on the run that
+    creates it (or when given with --api-key). No server reads those variables.
     """
     api_key = (new_keys or {}).get(Scope.INFERENCE) or extra_key
     if new_keys:
@@ -40,17 +42,19 @@ def banner(url: str, model: str, new_keys: dict[Scope, str] | None, extra_key: s
             "           Shown this once: Shoal keeps only their hashes. Keep them now.\n"
         )
     elif extra_key:
-        keys = "API key:   the one given with --api-key or SHOAL_API_KEY (database keys work too)\n"
+        keys = (
+            f"API key:   the one given with {flag_and_variable(UpSettings, 'api_key')} "
+            "(database keys work too)\n"
+        )
     else:
         keys = (
             "API key:   the inference key the first run printed (Shoal keeps only its hash, so\n"
             "           it cannot be shown again; lost it? `shoal keys create --scope inference`)\n"
         )
-    try_it = (
-        f"Try it:\n  export SHOAL_API_KEY={api_key}\n"
-        if api_key
-        else "Try it, with that key in SHOAL_API_KEY:\n"
-    )
+    try_it = "Try it:\n" if api_key else "Try it, with that key in OPENAI_API_KEY:\n"
+    try_it += f"  export OPENAI_BASE_URL={url}/v1\n"
+    if api_key:
+        try_it += f"  export OPENAI_API_KEY={api_key}\n"
     return (
         "\nShoal is up.\n"
         f"Endpoint:  {url}/v1   (OpenAI-compatible)\n"
@@ -59,7 +63,7 @@ def banner(url: str, model: str, new_keys: dict[Scope, str] | None, extra_key: s
         f"{keys}"
         f"{try_it}"
         f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-        '    -H "Authorization: Bearer $SHOAL_API_KEY" \\\n'
+        '    -H "Authorization: Bearer $OPENAI_API_KEY" \\\n'
         f'    -d \'{{"model": "{model}", "stream": true, '
         '"messages": [{"role": "user", "content": "Say hello"}]}\'\n'
         "Press Ctrl-C to stop everything.\n"
@@ -71,7 +75,7 @@ def image_banner(url: str) -> str:
     return (
         "Images (the image model loads in the background; the first request waits for it):\n"
         f"  curl {url}/v1/images/generations -H 'Content-Type: application/json' \\\n"
-        '    -H "Authorization: Bearer $SHOAL_API_KEY" \\\n'
+        '    -H "Authorization: Bearer $OPENAI_API_KEY" \\\n'
         '    -d \'{"prompt": "a lighthouse at dusk", "size": "512x512"}\'\n'
     )
 

@@ -159,6 +159,8 @@ def test_readme_quick_start_runs_as_written(
 
         # The banner's "Try it" lines, pasted into a shell as they are.
         try_it = log[log.index("Try it:\n") + len("Try it:\n") : log.index("Press Ctrl-C")]
+        # A bounded answer: a small model may otherwise go on to the end of its context.
+        assert '"max_tokens": 64' in try_it, try_it
         shell = subprocess.run(
             ["bash", "-c", try_it], env=clean_env(), capture_output=True, text=True, timeout=120
         )
@@ -170,6 +172,7 @@ def test_readme_quick_start_runs_as_written(
         # base URL and the key from those variables on its own).
         example = readme_block("What you get", "python")
         assert "OpenAI()" in example and README_URL not in example, example
+        assert "max_tokens=64" in example, example
         run = subprocess.run(
             [sys.executable, "-c", example], env=env, capture_output=True, text=True, timeout=120
         )

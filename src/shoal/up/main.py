@@ -23,6 +23,11 @@ from shoal.worker.settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 
+TRY_IT_MAX_TOKENS = 64
+"""The banner's example asks for at most this many tokens: without a limit a small model may
+go on to the end of its context, minutes on a busy CPU."""
+
+
 class UpError(Exception):
     pass
 
@@ -64,7 +69,7 @@ def banner(url: str, model: str, new_keys: dict[Scope, str] | None, extra_key: s
         f"{try_it}"
         f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
         '    -H "Authorization: Bearer $OPENAI_API_KEY" \\\n'
-        f'    -d \'{{"model": "{model}", "stream": true, '
+        f'    -d \'{{"model": "{model}", "max_tokens": {TRY_IT_MAX_TOKENS}, "stream": true, '
         '"messages": [{"role": "user", "content": "Say hello"}]}\'\n'
         "Press Ctrl-C to stop everything.\n"
     )

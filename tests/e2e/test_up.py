@@ -12,7 +12,16 @@ import httpx
 import openai
 import pytest
 
-from cluster import CLUSTER_TAG, MODEL, Proc, clean_env, free_port, llama_server_pids, wait_until
+from cluster import (
+    CLUSTER_TAG,
+    MODEL,
+    Proc,
+    clean_env,
+    free_port,
+    keys_cli,
+    llama_server_pids,
+    wait_until,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -82,6 +91,17 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path, llama_server: Path, model_p
         with openai.OpenAI(base_url=base, api_key=key.group(1)) as client:
             assert [m.id for m in client.models.list()] == [MODEL]
         assert llama_server_pids(str(tmp_path))
+        joined = add_worker_as_the_banner_says(tmp_path, log, llama_server, model_path)
+        try:
+            admin_auth = {"Authorization": f"Bearer {admin.group(1)}"}
+
+            def names() -> set[str]:
+                r = httpx.get(f"http://127.0.0.1:{port}/api/v1/workers", headers=admin_auth)
+                return {w["name"] for w in r.json()["data"]}
+
+            wait_until(lambda: names() == {"local", "second"}, 60, "the second worker")
+        finally:
+            assert joined.stop() == 0, joined.log()[-3000:]
     finally:
         proc.signal(signal.SIGINT)
         code = proc.wait(30)
@@ -99,6 +119,24 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path, llama_server: Path, model_p
     finally:
         again.signal(signal.SIGINT)
         assert again.wait(30) == 0
+
+
+def add_worker_as_the_banner_says(
+    tmp_path: Path, log: str, llama_server: Path, model_path: Path
+) -> Proc:
+    """The banner's "Add a worker" lines, followed: a worker key from `shoal keys create`, then
+    its `shoal worker` command (with the test's model, so that it loads quickly)."""
+    create = re.search(r"`(shoal keys create --scope worker --name) NAME`", log)
+    join = re.search(r"^  (shoal worker --router-url \S+ --gpu-key) WORKER_KEY$", log, re.M)
+    assert create is not None and join is not None, log[-2000:]
+    database = f"sqlite:///{tmp_path}/shoal.db"
+    created = keys_cli(database, *create.group(1).split()[2:], "second")
+    worker_key = created.splitlines()[-1]
+    argv = [sys.executable, "-m", *join.group(1).split(), worker_key, "--name", "second"]
+    argv += ["--model", str(model_path), "--model-alias", MODEL, "--threads", "1"]
+    argv += ["--llama-server-path", str(llama_server), "--cache-dir", str(tmp_path / "cache")]
+    env = clean_env(**{CLUSTER_TAG: str(tmp_path)})
+    return Proc("worker", argv, tmp_path / "second-worker.log", env).start()
 
 
 def test_up_beyond_loopback_generates_a_key(
@@ -139,7 +177,9 @@ def banner_of(log: str, port: int) -> str:
     start = log.index("Shoal is up.\n")
     end = log.index("Press Ctrl-C to stop everything.\n", start)
     text = log[start : end + len("Press Ctrl-C to stop everything.\n")]
-    return KEY.sub(r"\1-shoal-KEY", text.replace(f"http://127.0.0.1:{port}", README_URL))
+    return KEY.sub(
+        r"\1-shoal-KEY", text.replace(f"127.0.0.1:{port}", README_URL.removeprefix("http://"))
+    )
 
 
 def test_readme_quick_start_runs_as_written(
@@ -158,7 +198,7 @@ def test_readme_quick_start_runs_as_written(
         env = clean_env(**exports)
 
         # The banner's "Try it" lines, pasted into a shell as they are.
-        try_it = log[log.index("Try it:\n") + len("Try it:\n") : log.index("Press Ctrl-C")]
+        try_it = log[log.index("Try it:\n") + len("Try it:\n") : log.index("Add a worker")]
         # A bounded answer: a small model may otherwise go on to the end of its context.
         assert '"max_tokens": 64' in try_it, try_it
         shell = subprocess.run(

@@ -12,7 +12,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from cluster import Cluster, clean_env
+from cluster import Cluster, clean_env, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -62,3 +62,21 @@ def test_a_websocket_to_another_path_is_closed_naming_the_workers_path(cluster: 
     log = router.proc.log()
     assert log.count("a WebSocket to /v1 from") == 1, log[-3000:]  # once, not per attempt
     assert "workers dial /ws/worker" in log
+
+
+def test_a_worker_told_why_the_router_closed_says_it_once_per_line(cluster: Cluster) -> None:
+    """A path behind a proxy prefix (allowed) that the router does not serve: the worker's
+    retries name the router's reason once per line (websockets' own text says it twice), and
+    its warning says what to check."""
+    router = cluster.router()
+    url = f"ws://127.0.0.1:{router.port}/proxied/ws/worker"
+    worker = cluster.worker(router, "--router-url", url, model=False)
+    reason = "no worker socket at /proxied/ws/worker"
+    warned = "has not joined a router after 3 attempts"
+    wait_until(lambda: warned in worker.log() or not worker.alive(), 90, "the worker's warning")
+    log = worker.log()
+    assert worker.alive(), log[-3000:]  # it goes on retrying: the router may be fixed
+    lines = [line for line in log.splitlines() if reason in line]
+    assert len(lines) >= 3, log[-3000:]  # every retry and the warning
+    assert all(line.count(reason) == 1 for line in lines), lines
+    assert f"the router closed the connection (1008: {reason}" in log

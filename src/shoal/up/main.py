@@ -32,8 +32,16 @@ class UpError(Exception):
     pass
 
 
-def banner(url: str, model: str, new_keys: dict[Scope, str] | None, extra_key: str | None) -> str:
+def banner(
+    url: str,
+    model: str,
+    new_keys: dict[Scope, str] | None,
+    extra_key: str | None,
+    worker_url: str | None = None,
+) -> str:
     """What ``shoal up`` prints once everything is ready; new keys are shown this once.
+    ``worker_url``: the --router-url a worker of another machine gives (None: this router
+    listens on loopback only).
 
     The "Try it" lines export what every OpenAI client reads on its own (``OPENAI_BASE_URL``,
     ``OPENAI_API_KEY``), as the README's examples do; the key's export only on the run that
@@ -71,7 +79,25 @@ def banner(url: str, model: str, new_keys: dict[Scope, str] | None, extra_key: s
         '    -H "Authorization: Bearer $OPENAI_API_KEY" \\\n'
         f'    -d \'{{"model": "{model}", "max_tokens": {TRY_IT_MAX_TOKENS}, "stream": true, '
         '"messages": [{"role": "user", "content": "Say hello"}]}\'\n'
+        f"{adding_a_worker(url, worker_url)}"
         "Press Ctrl-C to stop everything.\n"
+    )
+
+
+def adding_a_worker(url: str, worker_url: str | None) -> str:
+    """How to add a worker: a worker key, then ``shoal worker`` with this router's address."""
+    if worker_url is None:
+        router_url = url.removeprefix("http://")
+        where = "on this machine; other machines can join once shoal up runs with --host 0.0.0.0"
+    else:
+        router_url = worker_url
+        where = "on the worker's machine" + (
+            ", THIS_HOST being this machine's address" if "THIS_HOST" in worker_url else ""
+        )
+    return (
+        "Add a worker (`shoal keys create --scope worker --name NAME` prints a worker key):\n"
+        f"  shoal worker --router-url {router_url} --gpu-key WORKER_KEY\n"
+        f"  ({where})\n"
     )
 
 
@@ -90,6 +116,15 @@ def _reachable_host(host: str) -> str:
     if host in ("0.0.0.0", "::", "") or is_loopback(host):
         return "127.0.0.1" if ":" not in host else "[::1]"
     return f"[{host}]" if ":" in host else host
+
+
+def _worker_url(host: str, port: int) -> str | None:
+    """The --router-url of a worker on another machine; None when it cannot reach this one."""
+    if is_loopback(host):
+        return None
+    if host in ("0.0.0.0", "::", ""):
+        return f"THIS_HOST:{port}"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def run_up(settings: UpSettings, path_env: str | None) -> None:
@@ -150,7 +185,8 @@ async def run_up(settings: UpSettings, path_env: str | None) -> None:
             )
         )
         await ready.wait()
-        sys.stdout.write(banner(url, the_plan.model.name, new_keys, api_key))
+        worker_url = _worker_url(settings.host, port)
+        sys.stdout.write(banner(url, the_plan.model.name, new_keys, api_key, worker_url))
         if settings.image_model:
             sys.stdout.write(image_banner(url))
         sys.stdout.flush()

@@ -162,6 +162,38 @@ def test_up_beyond_loopback_generates_a_key(
         assert proc.wait(30) == 0
 
 
+def _has_loaded(pid: int, library: str) -> bool:
+    """Whether process ``pid`` has mapped a shared library whose path contains ``library``."""
+    try:
+        return library in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("moment", ["importing", "starting"])
+def test_ctrl_c_while_shoal_up_starts_exits_without_a_traceback(
+    tmp_path: Path, llama_server: Path, model_path: Path, moment: str
+) -> None:
+    """Ctrl-C in the first second: while Python imports the command (pydantic's compiled core
+    is mapped then: the command's imports have begun; before, a traceback of whichever import
+    it cut), or while the router and worker start. It exits at once, leaves nothing behind."""
+    argv = [sys.executable, "-m", "shoal", "up", "--port", str(free_port())]
+    argv += ["--llama-server-path", str(llama_server), "--model", str(model_path)]
+    argv += ["--slots", "1", "--cache-dir", str(tmp_path / "cache")]
+    variables = {CLUSTER_TAG: str(tmp_path), "SHOAL_DATABASE_URL": f"sqlite:///{tmp_path}/s.db"}
+    proc = Proc("up", argv, tmp_path / "up.log", clean_env(**variables)).start()
+    if moment == "importing":
+        wait_until(lambda: _has_loaded(proc.pid, "pydantic_core"), 60, "the imports", 0.001)
+    else:
+        wait_until(lambda: "shoal.keys" in proc.log(), 90, "the start", 0.01)
+    proc.signal(signal.SIGINT)
+    code = proc.wait(60)
+    log = proc.log()
+    assert "Traceback" not in log, log[-3000:]
+    assert code == (130 if moment == "importing" else 0), log[-3000:]
+    wait_until(lambda: not llama_server_pids(str(tmp_path)), 10, "llama-server to go")
+
+
 def readme_block(section: str, lang: str = "") -> str:
     """The first fenced block in ``lang`` of the README's ``section`` (a ``## `` heading)."""
     text = README.read_text()

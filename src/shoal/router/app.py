@@ -143,7 +143,11 @@ def build_app(settings: RouterSettings, store: KeyStore | None = None) -> infere
         app.include_router(module.router)
     app.state.check_key = _owner_of(keys)
     jobs_routes.install(
-        app, ctx.jobs, limits=RequestLimits.of(settings), default_model=settings.default_model
+        app,
+        ctx.jobs,
+        limits=RequestLimits.of(settings),
+        default_model=settings.default_model,
+        check_served=dispatcher.check_served,
     )
     dashboard.install(app)
     if settings.storage is not None:

@@ -191,12 +191,14 @@ class Cluster:
         gpu_key: str | None = GPU_KEY,
         wait: bool = True,
         tls_ca: Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> Router:
-        """A router; with ``tls_ca`` (pass --tls-cert/--tls-key in ``args``) it serves HTTPS."""
+        """A router; with ``tls_ca`` (pass --tls-cert/--tls-key in ``args``) it serves HTTPS.
+        ``env``: more variables for its environment (it gets no SHOAL_* one of this shell)."""
         port = port or free_port()
-        env = clean_env()
+        env = clean_env(**(env or {}))
         if api_key:
-            env["SHOAL_API_KEY"] = api_key
+            env["SHOAL_ROUTER_API_KEY"] = api_key
         if gpu_key:
             env["SHOAL_GPU_KEY"] = gpu_key
         proc = self._proc("router", ["--port", str(port), "--heartbeat-interval", "1", *args], env)

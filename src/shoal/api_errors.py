@@ -22,13 +22,15 @@ log = logging.getLogger(__name__)
 class ApiError(Exception):
     status = 500
     type = "server_error"
-    code: str | None = None
+    code: str | int | None = None
+    """A string of ours; a number when an error of a backend passes through (llama-server's
+    ``code`` is its HTTP status, as OpenAI's own errors carry it)."""
 
     def __init__(
         self,
         message: str,
         *,
-        code: str | None = None,
+        code: str | int | None = None,
         param: str | None = None,
         retry_after: float | None = None,
         headers: dict[str, str] | None = None,

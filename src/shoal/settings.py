@@ -2,25 +2,43 @@
 
 Each process builds exactly one settings object (``RouterSettings``, ``WorkerSettings``,
 ``UpSettings``) from, in order of precedence: command-line flags, ``SHOAL_*`` environment
-variables, defaults. Flags are derived from the fields, so every flag has its env var.
+variables, defaults. Flags are derived from the fields, so every flag has its env var:
+``SHOAL_`` and the field's name, or the variable a field names itself (``Variable``).
+
+Clients and servers never share a variable. A client's shell holds its key (the OpenAI
+convention: ``OPENAI_API_KEY`` and ``OPENAI_BASE_URL``); a server reads the keys it accepts
+from a variable of its own role (``SHOAL_ROUTER_API_KEY``), so a router started from a
+client's shell is not opened to that client's key. ``SHOAL_API_KEY``, which clients were told
+to export once, is read by no command; a server started where it is set says so
+(``client_key_ignored``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import enum
+import os
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from shoal.paths import default_cache_dir
 
 ENV_PREFIX = "SHOAL_"
+CLIENT_KEY_VARIABLE = "SHOAL_API_KEY"
+"""What the README once told clients to export: read by no command, never a server's."""
 
 CommaList = Annotated[tuple[str, ...], NoDecode]
 SecretList = Annotated[tuple[SecretStr, ...], NoDecode]
@@ -33,8 +51,86 @@ def split_commas(value: object) -> object:
     return value
 
 
+@dataclasses.dataclass(frozen=True)
+class Variable:
+    """Marks a settings field read from this environment variable instead of ``SHOAL_<FIELD>``
+    (``Annotated[SecretList, Variable("SHOAL_ROUTER_API_KEY")]``): a key a server accepts,
+    which must not be read from a variable of the same name a client's shell holds. The flag
+    is unchanged, ``--help`` names the variable, and ``SHOAL_<FIELD>`` is not read."""
+
+    name: str
+
+
+def server_variable(role: str, name: str) -> Variable:
+    """The variable of a server's field ``name``: ``SHOAL_ROUTER_API_KEY`` for the router's
+    ``api_key``."""
+    return Variable(f"{ENV_PREFIX}{role.upper()}_{name.upper()}")
+
+
+def own_variable(info: FieldInfo) -> str | None:
+    """The variable a field is read from when it names its own (``Variable``)."""
+    return next((m.name for m in info.metadata if isinstance(m, Variable)), None)
+
+
+def env_name(name: str, info: FieldInfo) -> str:
+    """The environment variable of the settings field ``name``."""
+    return own_variable(info) or ENV_PREFIX + name.upper()
+
+
+def flag_and_variable(settings_cls: type[BaseSettings], name: str) -> str:
+    """How a user sets field ``name``: ``--api-key/SHOAL_ROUTER_API_KEY``."""
+    return f"{_flag(name)}/{env_name(name, settings_cls.model_fields[name])}"
+
+
+class _Environment(PydanticBaseSettingsSource):
+    """pydantic-settings' ``SHOAL_*`` variables, except that a field with a ``Variable`` of
+    its own is read from that one only."""
+
+    def __init__(self, settings_cls: type[BaseSettings], env: PydanticBaseSettingsSource) -> None:
+        super().__init__(settings_cls)
+        self.env = env
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ gives every value at once
+
+    def __call__(self) -> dict[str, Any]:
+        values = self.env()
+        for name, info in self.settings_cls.model_fields.items():
+            variable = own_variable(info)
+            if variable is None:
+                continue
+            values.pop(name, None)  # what SHOAL_<FIELD> held: a client's variable, maybe
+            if variable in os.environ:
+                values[name] = os.environ[variable]
+        return values
+
+
+def client_key_ignored(environ: Mapping[str, str], server: str, accepted: str) -> str | None:
+    """The warning for ``server`` started where a client's key variable is set, or None;
+    ``accepted`` says where the keys it does accept come from."""
+    if CLIENT_KEY_VARIABLE not in environ:
+        return None
+    return (
+        f"{CLIENT_KEY_VARIABLE} is set here and ignored: it is a client's variable and grants "
+        f"nothing on {server}, which takes keys from {accepted}. Clients read OPENAI_API_KEY "
+        "(and OPENAI_BASE_URL)."
+    )
+
+
 class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        environment = _Environment(settings_cls, env_settings)
+        return init_settings, environment, dotenv_settings, file_secret_settings
 
     cache_dir: Path = Field(
         default_factory=default_cache_dir,
@@ -76,7 +172,7 @@ def add_settings_flags(
     for name, info in settings_cls.model_fields.items():
         if name in skip:
             continue
-        env = ENV_PREFIX + name.upper()
+        env = env_name(name, info)
         help_text = f"{info.description or ''} [env: {env}{_default_text(info)}]"
         if _is_bool(info.annotation):
             group.add_argument(

@@ -5,13 +5,17 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pydantic_settings import BaseSettings
 
 from cluster import clean_env
 from shoal.cli.main import build_parser
+from shoal.data.settings import DataSettings
 from shoal.router.settings import RouterSettings
-from shoal.settings import settings_from_args
+from shoal.settings import env_name, settings_from_args
+from shoal.up.settings import UpSettings
 from shoal.worker.settings import WorkerSettings
 
 
@@ -34,15 +38,38 @@ def test_every_flag_has_its_env_var(
     with pytest.raises(SystemExit):
         build_parser().parse_args([command, "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    for name in cls.model_fields:
+    for name, info in cls.model_fields.items():
         assert f"--{name.replace('_', '-')}" in help_text
-        assert f"SHOAL_{name.upper()}" in help_text
+        assert f"[env: {env_name(name, info)}" in help_text
+
+
+@pytest.mark.parametrize(
+    ("command", "cls", "variable"),
+    [
+        ("router", RouterSettings, "SHOAL_ROUTER_API_KEY"),
+        ("up", UpSettings, "SHOAL_ROUTER_API_KEY"),
+        ("data", DataSettings, "SHOAL_DATA_API_KEY"),
+    ],
+)
+def test_a_servers_api_key_is_read_from_its_own_variable_never_a_clients(
+    command: str, cls: type[BaseSettings], variable: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client's variables (SHOAL_API_KEY, which the README once told clients to export,
+    and OPENAI_API_KEY) grant nothing on a server; the server's own variable does."""
+    monkeypatch.setenv("SHOAL_API_KEY", "client-key")
+    monkeypatch.setenv("OPENAI_API_KEY", "client-key")
+    settings: Any = settings_from_args(cls, build_parser().parse_args([command]))
+    assert not settings.api_key
+    monkeypatch.setenv(variable, "server-key")
+    settings = settings_from_args(cls, build_parser().parse_args([command]))
+    keys = settings.api_key if isinstance(settings.api_key, tuple) else (settings.api_key,)
+    assert [getattr(k, "get_secret_value", lambda k=k: k)() for k in keys] == ["server-key"]
 
 
 def test_flags_beat_env_which_beats_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SHOAL_MAX_QUEUE", "7")
     monkeypatch.setenv("SHOAL_PORT", "9001")
-    monkeypatch.setenv("SHOAL_API_KEY", "k1, k2")
+    monkeypatch.setenv("SHOAL_ROUTER_API_KEY", "k1, k2")
     args = build_parser().parse_args(["router", "--port", "9002"])
     s = settings_from_args(RouterSettings, args)
     assert (s.port, s.max_queue, s.max_wait) == (9002, 7, 60.0)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cluster import clean_env
+from fakes.fake_hub import FakeHub, RepoInfo
 from shoal.cli.main import main
 from shoal.models.catalog import load_catalog
 from shoal.models.default import DEFAULT_MODEL
@@ -165,3 +166,29 @@ def test_search_with_the_hub_unreachable_fails_fast_in_one_line() -> None:
     assert r.returncode == 0 and time.monotonic() - started < 15
     assert "Hugging Face not searched: cannot reach the Hugging Face Hub" in r.stdout
     assert "Retrying" not in r.stderr and "Connection refused' thrown" not in r.stderr
+
+
+def test_search_matches_every_word_on_the_hub_too() -> None:
+    """`shoal models search qwen 7b`, as a user runs it, against a Hugging Face stand-in: the
+    Hub matches one string within repo ids, so asking it for "qwen 7b" found nothing."""
+    repos = {
+        "Qwen/Qwen2.5-7B-Instruct-GGUF": RepoInfo(downloads=900),
+        "Qwen/Qwen2.5-0.5B-Instruct-GGUF": RepoInfo(downloads=800),
+        "someone/Llama-3-7B-GGUF": RepoInfo(downloads=700),
+        "bartowski/qwen2-7b-GGUF": RepoInfo(downloads=10),
+    }
+    with FakeHub.start({}, repos=repos) as hub:
+        r = subprocess.run(
+            [sys.executable, "-m", "shoal", "models", "search", "qwen", "7B", "--json"],
+            capture_output=True,
+            text=True,
+            env=clean_env(HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0"),
+            timeout=60,
+        )
+    assert r.returncode == 0, r.stderr[-2000:]
+    found = json.loads(r.stdout)
+    assert [m["id"] for m in found["hub"]] == [
+        "Qwen/Qwen2.5-7B-Instruct-GGUF",
+        "bartowski/qwen2-7b-GGUF",
+    ], found
+    assert "qwen2.5-7b-instruct" in found["catalog"]  # the catalog matched every word already

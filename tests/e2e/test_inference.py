@@ -187,3 +187,26 @@ class TestErrors:
         with pytest.raises(openai.BadRequestError) as info:
             shared.client.completions.create(model=MODEL, prompt="hello " * 3000, max_tokens=2)
         assert info.value.status_code == 400
+        # Its code as llama-server (like OpenAI) sends it: a number (it was turned into "400";
+        # the openai client makes a string of either, so the body is read).
+        assert info.value.response.json()["error"]["code"] == 400
+        # Named like an answer: the job's id, and the worker that answered with the error.
+        headers = info.value.response.headers
+        assert info.value.request_id is not None and info.value.request_id.startswith("job_")
+        workers = {w["id"] for w in shared.router.workers()}
+        assert headers.get("x-shoal-worker") in workers, dict(headers)
+
+    def test_a_request_refused_before_it_is_queued_has_a_request_id(self, shared: Shared) -> None:
+        url = shared.router.url + "/v1/chat/completions"
+        body = {"model": MODEL, "messages": HELLO, "max_tokens": 2}
+        json_headers = {**shared.router.headers, "Content-Type": "application/json"}
+        refused = [
+            httpx.post(url, json={**body, "model": "no-such-model"}, headers=json_headers),
+            httpx.post(url, content=b"{not json", headers=json_headers),
+            httpx.post(url, json=body),  # no key
+            httpx.get(shared.router.url + "/v1/models/no-such-model", headers=json_headers),
+        ]
+        assert [r.status_code for r in refused] == [404, 400, 401, 404]
+        ids = [r.headers.get("x-request-id") for r in refused]
+        assert all(i and i.startswith("req_") for i in ids) and len(set(ids)) == len(ids), ids
+        assert all("x-shoal-worker" not in r.headers for r in refused)  # no worker was asked

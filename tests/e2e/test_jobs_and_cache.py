@@ -47,6 +47,14 @@ def test_async_job_lifecycle_with_records_shared_through_redis(
     assert httpx.get(f"{a.url}/v1/jobs/job_nope", headers=a.headers).status_code == 404
     bad = httpx.post(a.url + "/v1/jobs", json={"type": "painting", **ASK}, headers=a.headers)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "type"
+    # A model no worker serves is refused at submit, as the request itself is (it was
+    # accepted with 202, and failed later).
+    unknown = {"type": "chat_completion", **ASK, "model": "no-such-model"}
+    for router in (a, b):
+        refused = httpx.post(router.url + "/v1/jobs", json=unknown, headers=router.headers)
+        assert refused.status_code == 404, refused.text
+        assert refused.json()["error"]["code"] == "model_not_found"
+        assert MODEL in refused.json()["error"]["message"]  # what is served instead
 
 
 def test_cancelling_queued_and_running_jobs(cluster: Cluster) -> None:
@@ -54,12 +62,17 @@ def test_cancelling_queued_and_running_jobs(cluster: Cluster) -> None:
     cluster.worker(router, "--slots", "1")
     router.wait_workers(1)
     long = {"type": "completion", "model": MODEL, "prompt": "Once", "max_tokens": 400}
-    running, queued = (
+    posts = [
         httpx.post(
             router.url + "/v1/jobs", json={**long, "ignore_eos": True}, headers=router.headers
-        ).json()["id"]
+        ).json()
         for _ in range(2)
-    )
+    ]
+    running, queued = (post["id"] for post in posts)
+    # The 202 says where each stands: the first took the slot, the second waits, first in line
+    # (its queue_position was null in the 202 and filled in a moment later).
+    assert posts[0]["status"] == "running", posts
+    assert posts[1]["status"] == "queued" and posts[1]["queue_position"] == 0, posts
     wait_until(lambda: _job(router, running)["status"] == "running", 30, "the first job to run")
     assert _job(router, queued)["status"] == "queued"  # the worker's one slot is taken
     for job_id in (queued, running):

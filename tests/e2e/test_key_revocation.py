@@ -56,14 +56,47 @@ def test_a_revoked_key_is_refused_on_the_next_request_by_every_router(
         assert status(router, kept) == 401
 
 
-def test_a_database_key_exported_as_shoal_api_key_stays_revocable(cluster: Cluster) -> None:
-    """The quick start exports the client's key as SHOAL_API_KEY; a router started from that
-    shell reads the variable too. The key is still checked in the database, so a revoke
-    reaches it (as a flag key it would have been accepted until the router stopped)."""
+def test_a_client_variable_opens_no_router(
+    cluster: Cluster, pg_url: str, request: pytest.FixtureRequest
+) -> None:
+    """A shell where a client exported its key (SHOAL_API_KEY, as the quick start once said,
+    or OPENAI_API_KEY) starts a router of another site, on another database: that key is not
+    one of its keys. Before, the router read SHOAL_API_KEY as --api-key and answered the
+    other database's key with 200, a key `shoal keys revoke` could not remove there."""
+    elsewhere = create(cluster.database_url, "laptop")  # the SQLite site's key
+    exported = {"SHOAL_API_KEY": elsewhere, "OPENAI_API_KEY": elsewhere}
+    router = cluster.router(
+        "--database-url", pg_url, api_key=None, gpu_key=None, env=exported
+    )  # fmt: skip
+    own = create(pg_url, "site-b")
+    assert status(router, elsewhere) == 401
+    assert status(router, own) == 200
+    log = router.proc.log()
+    assert log.count("SHOAL_API_KEY is set here and ignored") == 1, log[-3000:]
+    assert "--api-key/SHOAL_ROUTER_API_KEY" in log  # what to use instead
+    assert "from --api-key" not in log  # the start-up line: no key came from a flag
+    assert "no API key: API routes open" in log  # (created after it started)
+    assert elsewhere not in log and own not in log
+
+
+@pytest.mark.parametrize("given", ["flag", "variable"])
+def test_a_database_key_given_as_a_flag_stays_revocable(cluster: Cluster, given: str) -> None:
+    """A key of the database given by flag (or the router's own variable) is still checked in
+    the database, so a revoke reaches it; a key that is only a flag's is named by where it came
+    from at start (never shown) and lasts until the router stops."""
     url = cluster.database_url
-    secret = create(url, "exported")
-    router = cluster.router("--database-url", url, api_key=secret, gpu_key=None)
-    assert status(router, secret) == 200
-    assert "--api-key/SHOAL_API_KEY holds key_" in router.proc.log()
+    secret = create(url, "operator")
+    keys = f"{secret},sk-flag-only"
+    if given == "flag":
+        router = cluster.router("--api-key", keys, api_key=None, gpu_key=None)
+    else:
+        router = cluster.router(api_key=keys, gpu_key=None)  # SHOAL_ROUTER_API_KEY
+    assert status(router, secret) == 200 and status(router, "sk-flag-only") == 200
+    log = router.proc.log()
+    assert "--api-key/SHOAL_ROUTER_API_KEY holds key_" in log, log[-3000:]
+    line = "API keys: 1 from --api-key/SHOAL_ROUTER_API_KEY and 1 in the key database"
+    assert line in log
+    assert secret not in log and "sk-flag-only" not in log
     keys_cli(url, "revoke", secret)
     assert status(router, secret) == 401
+    assert status(router, "sk-flag-only") == 200

@@ -10,6 +10,7 @@ from websockets.sync.client import connect
 
 from cluster import GPU_KEY, Cluster, Router
 from shoal.protocol.messages import PROTOCOL_VERSION
+from tcp_relay import holding_relay
 
 pytestmark = pytest.mark.e2e
 
@@ -46,6 +47,26 @@ def test_worker_with_bad_key_is_refused_and_exits(cluster: Cluster) -> None:
     assert worker.wait(60) == 2
     assert "GPU key is missing or wrong" in worker.log()
     assert router.workers() == []
+
+
+def test_a_worker_refused_for_its_key_stops_at_once_saying_how_to_get_one(
+    cluster: Cluster,
+) -> None:
+    """Also when the refusal reaches the worker with the handshake's answer, in one piece (a
+    slow link): before, the worker found the connection closed when it sent its register,
+    took that for a network failure, retried with advice about firewalls and TLS, and only
+    stopped once a try happened to read the ``refused`` frame."""
+    router = cluster.router()
+    with holding_relay(router.port) as port:
+        worker = cluster.worker(
+            router, "--router-url", f"127.0.0.1:{port}", gpu_key="wrong-key", model=False
+        )
+        assert worker.wait(60) == 2, worker.log()[-3000:]
+    log = worker.log()
+    assert "refused this worker (bad_key)" in log, log[-3000:]
+    assert "its key is not one of the router's" in log
+    assert "`shoal keys create --scope worker`" in log
+    assert "reconnecting" not in log and "firewall" not in log
 
 
 def test_protocol_version_mismatch_is_refused(cluster: Cluster) -> None:

@@ -166,18 +166,27 @@ def make_store(
     return make
 
 
+def every_model_served(model: ModelName, endpoint: Endpoint) -> None:
+    """The jobs routes' model check for these tests: the fake runner takes any model."""
+
+
 @asynccontextmanager
 async def serving(
     store: JobStore,
     runner: Runner,
     keys: jobs_routes.KeyCheckFn = check_key,
+    served: jobs_routes.ServedCheck = every_model_served,
     **kwargs: Any,
 ) -> AsyncIterator[tuple[JobsService, httpx.AsyncClient]]:
-    """The jobs service running, and a client for a tiny app with the jobs routes."""
+    """The jobs service running, and a client for a tiny app with the jobs routes. A 202
+    answers at once (``first_news_wait_s=0``): the fake runner reports only when told to."""
+    kwargs.setdefault("first_news_wait_s", 0.0)
     service = JobsService(store, runner, **kwargs)
     app = FastAPI()
     errors.install(app)
-    jobs_routes.install(app, service, limits=LIMITS, default_model="default-model")
+    jobs_routes.install(
+        app, service, limits=LIMITS, default_model="default-model", check_served=served
+    )
     app.state.check_key = keys
     transport = httpx.ASGITransport(app=app)
     async with (
@@ -690,6 +699,26 @@ async def test_a_queued_async_job_shows_its_place_until_a_worker_takes_it(
             assert isinstance(start, JobStart)
             dispatcher.workers.on_message(worker, JobResult(job_id=start.job_id, body="{}"))
         await service.wait_idle()
+
+
+async def test_the_record_submit_returns_says_where_the_job_stands(
+    dispatcher: Dispatcher,
+) -> None:
+    """What the 202 shows: running when a worker took the job at once, else its place (it
+    was queued with no place: the runner reports it a moment later)."""
+    worker = connect(dispatcher)  # one slot
+    service = JobsService(MemoryJobStore(), dispatcher_runner(dispatcher))
+    chat = {"messages": CHAT}
+    async with service.running():
+        first = await service.submit(JobType.CHAT_COMPLETION, M, chat, Owner("a"))
+        second = await service.submit(JobType.CHAT_COMPLETION, M, chat, Owner("a"))
+        third = await service.submit(JobType.CHAT_COMPLETION, M, chat, Owner("a"))
+        assert first.status is JobStatus.RUNNING
+        assert [r.to_api()["queue_position"] for r in (second, third)] == [0, 1]
+        for rec in (first, second, third):
+            await service.cancel(rec.id, "a")
+        await service.wait_idle()
+    assert not worker.running
 
 
 async def test_async_jobs_queue_with_their_keys_weight_and_cap_as_batch(

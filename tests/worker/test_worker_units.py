@@ -4,6 +4,7 @@ orders it cannot carry out."""
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import pytest
@@ -48,12 +49,41 @@ def test_several_router_urls() -> None:
         ("router.lan:8000", "ws://router.lan:8000/ws/worker"),
         ("http://r:1", "ws://r:1/ws/worker"),
         ("https://r:1/", "wss://r:1/ws/worker"),
-        ("wss://r.example/custom/path", "wss://r.example/custom/path"),
+        ("wss://r.example/shoal/ws/worker", "wss://r.example/shoal/ws/worker"),  # a proxy's
         ("ws://r:9", "ws://r:9/ws/worker"),
+        ("HTTPS://r.example", "wss://r.example/ws/worker"),  # a scheme's own port: 443
+        ("[::1]:8000", "ws://[::1]:8000/ws/worker"),
+        ("r:1/ws/worker/", "ws://r:1/ws/worker"),
+        ("wss://r:1/ws/worker?token=t", "wss://r:1/ws/worker?token=t"),
     ],
 )
 def test_router_url_forms(given_url: str, expected: str) -> None:
     assert router_ws_url(given_url) == expected
+
+
+@pytest.mark.parametrize(
+    ("given_url", "says"),
+    [
+        # The banner's Endpoint line, pasted: the clients' path.
+        ("http://127.0.0.1:8000/v1", "has the path /v1, which is not the router's worker "
+         "socket: workers dial /ws/worker, added for you; drop /v1: give http://127.0.0.1:8000"),
+        ("wss://r.example/custom/path", "drop /custom/path: give wss://r.example"),
+        ("htp://host:8000", "has the unknown scheme 'htp': give ws:// or wss://"),
+        ("127.0.0.1", "has no port: give the router's --port (8000 by default), e.g. "
+         "127.0.0.1:8000"),
+        ("router.lan:http", "the port must be a number from 1 to 65535"),
+        ("router.lan:0", "the port must be a number from 1 to 65535"),
+        ("router.lan:70000", "the port must be a number from 1 to 65535"),
+        (":8000", "names no host"),
+    ],
+)  # fmt: skip
+def test_a_router_url_that_cannot_work_is_refused_saying_what_to_fix(
+    given_url: str, says: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(says)):
+        router_ws_url(given_url)
+    with pytest.raises(ValidationError, match=re.escape(says)):  # one of several, too
+        WorkerSettings(router_url=f"r1:8000, {given_url}")
 
 
 def test_host_port_means_wss_when_a_ca_is_given(tmp_path: Path) -> None:

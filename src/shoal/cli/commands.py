@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from typing import TypeVar
 
@@ -14,6 +15,9 @@ from shoal.cli.run import run
 from shoal.llama_cpp.errors import LlamaCppError
 from shoal.llama_cpp.options import LlamaCppOptions
 from shoal.models.errors import ModelError
+from shoal.settings import client_key_ignored, flag_and_variable
+
+log = logging.getLogger(__name__)
 
 S = TypeVar("S", bound=BaseSettings)
 
@@ -28,12 +32,24 @@ def _path_env() -> str | None:
     return os.environ.get("PATH")
 
 
+def _warn_client_key(server: str, settings_cls: type[BaseSettings], database: bool) -> None:
+    """One WARNING when a client's key variable is set where a server starts: it used to
+    open the router to that key; now it is ignored, and a user upgrading is told so."""
+    accepted = flag_and_variable(settings_cls, "api_key")
+    if database:
+        accepted = f"its key database (`shoal keys create`) and {accepted}"
+    warning = client_key_ignored(os.environ, server, accepted)
+    if warning is not None:
+        log.warning("%s", warning)
+
+
 def router(args: argparse.Namespace) -> int:
     from shoal.router.app import RouterConfigError, build_app, serve
     from shoal.router.settings import RouterSettings
 
     settings = _settings(RouterSettings, args)
     logs.setup(settings.log_level)
+    _warn_client_key("this router", RouterSettings, database=True)
     try:
         build_app(settings)
     except RouterConfigError as exc:
@@ -51,6 +67,7 @@ def data(args: argparse.Namespace) -> int:
 
     settings = _settings(DataSettings, args)
     logs.setup(settings.log_level)
+    _warn_client_key("this model store", DataSettings, database=False)
     try:
         app = build_app(settings)
         run(serve(settings, app=app))
@@ -88,6 +105,7 @@ def up(args: argparse.Namespace) -> int:
 
     settings = _settings(UpSettings, args)
     logs.setup(settings.log_level)
+    _warn_client_key("this router", UpSettings, database=True)
     try:
         run(run_up(settings, _path_env()))
     except* (UpError, LlamaCppError, ModelError) as group:

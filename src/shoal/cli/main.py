@@ -29,7 +29,9 @@ Shoal: one OpenAI-compatible endpoint over your own machines, running llama.cpp.
   shoal worker --router-url HOST:8000 --gpu-key G            on each GPU machine (dials out)
   shoal doctor --router-url HOST:8000 --gpu-key G            is this machine right for it?
 
-Every option also reads a SHOAL_* environment variable (--max-queue <-> SHOAL_MAX_QUEUE).
+Every option also reads a SHOAL_* environment variable (--max-queue <-> SHOAL_MAX_QUEUE);
+a server's --api-key reads its own (SHOAL_ROUTER_API_KEY, SHOAL_DATA_API_KEY), never a
+client's. Clients read OPENAI_BASE_URL and OPENAI_API_KEY.
 """
 
 Handler = Callable[[argparse.Namespace], int]

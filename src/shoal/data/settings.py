@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field, field_validator
 
 from shoal.paths import default_data_dir
 from shoal.security import is_loopback, missing_keys
-from shoal.settings import CommonSettings, SecretList, split_commas
+from shoal.settings import (
+    CommonSettings,
+    SecretList,
+    flag_and_variable,
+    server_variable,
+    split_commas,
+)
 
 GIB = 1024**3
 DEFAULT_MAX_UPLOAD_BYTES = 256 * GIB
@@ -32,7 +39,7 @@ class DataSettings(CommonSettings):
         description="Comma-separated keys that may upload models (Authorization: Bearer). "
         "Without one, uploads are disabled. Required when listening beyond loopback.",
     )
-    api_key: SecretList = Field(
+    api_key: Annotated[SecretList, server_variable("data", "api_key")] = Field(
         (),
         description="Comma-separated keys workers must present to list and download models. "
         "Without one, reads are open. Required when listening beyond loopback.",
@@ -52,8 +59,8 @@ class DataSettings(CommonSettings):
         missing = missing_keys(
             self.host,
             {
-                "--api-key/SHOAL_API_KEY": self.api_key,
-                "--admin-key/SHOAL_ADMIN_KEY": self.admin_key,
+                flag_and_variable(DataSettings, "api_key"): self.api_key,
+                flag_and_variable(DataSettings, "admin_key"): self.admin_key,
             },
         )
         if not missing:

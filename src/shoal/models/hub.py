@@ -329,8 +329,17 @@ def _check_reachable(config: HubConfig, repo: str | None, revision: str | None) 
         raise hub_error(exc, config, repo, None, revision) from exc
 
 
+SEARCH_SCAN = 500
+"""GGUF repos (most downloaded first) read for a search of several words, among which those
+whose id holds every word are kept: the Hub matches one string within ids, not words."""
+
+
 def search_hub(query: str, config: HubConfig, limit: int = 20) -> list[HubModel]:
-    """GGUF repos on the Hub whose id contains ``query``, most downloaded first."""
+    """GGUF repos on the Hub whose id contains every word of ``query`` (any case), most
+    downloaded first. The Hub is asked for the longest word; the others are matched here,
+    among its ``SEARCH_SCAN`` most downloaded answers ("qwen 7b" found nothing when the Hub
+    was asked for the ids containing "qwen 7b")."""
+    words = query.lower().split()
     if config.offline:
         raise HubError(
             f"searching the Hugging Face Hub needs the network, and {config.offline_reason}. "
@@ -338,14 +347,17 @@ def search_hub(query: str, config: HubConfig, limit: int = 20) -> list[HubModel]
         )
     _check_reachable(config, None, None)
     api = HfApi(endpoint=config.url, token=config.auth)
+    longest = max(words, key=len) if words else None
+    scan = SEARCH_SCAN if len(words) > 1 else limit
     try:
         infos = list(
             api.list_models(
-                filter="gguf", search=query or None, sort="downloads", limit=limit, expand=_EXPAND
+                filter="gguf", search=longest, sort="downloads", limit=scan, expand=_EXPAND
             )
         )
     except HUB_FAILURES as exc:
         raise hub_error(exc, config, None, None, None) from exc
+    found = [info for info in infos if all(w in info.id.lower() for w in words)]
     return [
         HubModel(
             id=info.id,
@@ -354,7 +366,7 @@ def search_hub(query: str, config: HubConfig, limit: int = 20) -> list[HubModel]
             last_modified=info.last_modified,
             gated=bool(info.gated),
         )
-        for info in infos
+        for info in found[:limit]
     ]
 
 

@@ -24,7 +24,7 @@ from starlette.types import ASGIApp
 from shoal import __version__, serving
 from shoal.data import routes as data_routes
 from shoal.data.store import ModelStore
-from shoal.keys import KeyStore, KeyStoreError, open_store
+from shoal.keys import KeyStore, KeyStoreError, Scope, open_store
 from shoal.models.resolve import resolve_model
 from shoal.router import dashboard, errors
 from shoal.router.accounting import Accounting
@@ -56,6 +56,7 @@ from shoal.router.routes import metrics as metrics_routes
 from shoal.router.settings import RouterSettings
 from shoal.router.snapshot import snapshot
 from shoal.router.workers import Registry
+from shoal.settings import flag_and_variable
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +84,11 @@ class RouterApi(FastAPI):
 def build_app(settings: RouterSettings, store: KeyStore | None = None) -> inference.FastPath:
     """The router's ASGI app. ``store`` is the key database (opened here when not given)."""
     store = store or open_key_store(settings)
+    sources = key_sources()
     keys = KeyCheck(
-        api_keys=flag_keys(store, settings.api_key, "--api-key/SHOAL_API_KEY"),
-        gpu_keys=flag_keys(store, settings.gpu_key, "--gpu-key/SHOAL_GPU_KEY"),
-        admin_keys=flag_keys(store, settings.admin_key, "--admin-key/SHOAL_ADMIN_KEY"),
+        api_keys=flag_keys(store, settings.api_key, sources[Scope.INFERENCE]),
+        gpu_keys=flag_keys(store, settings.gpu_key, sources[Scope.WORKER]),
+        admin_keys=flag_keys(store, settings.admin_key, sources[Scope.ADMIN]),
         store=store,
         open_when_keyless=settings.on_loopback,
     )
@@ -141,7 +143,11 @@ def build_app(settings: RouterSettings, store: KeyStore | None = None) -> infere
         app.include_router(module.router)
     app.state.check_key = _owner_of(keys)
     jobs_routes.install(
-        app, ctx.jobs, limits=RequestLimits.of(settings), default_model=settings.default_model
+        app,
+        ctx.jobs,
+        limits=RequestLimits.of(settings),
+        default_model=settings.default_model,
+        check_served=dispatcher.check_served,
     )
     dashboard.install(app)
     if settings.storage is not None:
@@ -155,12 +161,21 @@ def build_app(settings: RouterSettings, store: KeyStore | None = None) -> infere
     return inference.FastPath(RequestMetrics(app, metrics), ctx)
 
 
+def key_sources() -> dict[Scope, str]:
+    """Where each scope's flag keys come from, as a user sets them (``--api-key/VARIABLE``)."""
+    return {
+        Scope.INFERENCE: flag_and_variable(RouterSettings, "api_key"),
+        Scope.WORKER: flag_and_variable(RouterSettings, "gpu_key"),
+        Scope.ADMIN: flag_and_variable(RouterSettings, "admin_key"),
+    }
+
+
 def flag_keys(store: KeyStore, given: tuple[SecretStr, ...], flag: str) -> tuple[SecretStr, ...]:
     """The keys given by flag or variable that are not keys of the key database.
 
-    A database key found here (the quick start exports the client's key as ``SHOAL_API_KEY``,
-    which a router started from the same shell reads too) is checked in the database like any
-    other, so revoking it works; as a flag key it would be accepted until the router stopped.
+    A database key found here (say an operator's own inference key, passed with --api-key)
+    is checked in the database like any other, so revoking it works; as a flag key it would
+    be accepted until the router stopped.
     """
     kept = []
     for secret in given:
@@ -327,7 +342,7 @@ async def serve(settings: RouterSettings, sock: socket.socket | None = None) -> 
         "https" if server.config.is_ssl else "http",
         host,
         port,
-        await asyncio.to_thread(describe, ctx.keys),
+        await asyncio.to_thread(describe, ctx.keys, key_sources()),
     )
     try:
         async with asyncio.TaskGroup() as tg:

@@ -13,6 +13,7 @@ constant time and never logged; a key is named in logs by its id.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pydantic import SecretStr
@@ -254,25 +255,38 @@ def startup_problem(keys: KeyCheck, on_loopback: bool, host: str) -> str | None:
     )
 
 
-def describe(keys: KeyCheck) -> str:
-    """One line for the start-up log: where keys come from, or that the router is open."""
-    parts = []
+def describe(keys: KeyCheck, sources: Mapping[Scope, str]) -> str:
+    """For the start-up log: where each scope's keys come from (flags or variables, named as
+    in ``sources``; the key database, counted), or that its routes are open or closed. Keys
+    are counted, never shown; a flag key that is a database key was named by ``flag_keys``."""
     store = keys.store
     working = {s: store.count(s) for s in Scope} if store else {}
     ever = {s: store.count(s, revoked=True) for s in Scope} if store else {}
-    for name, flags, scope in (
-        ("API", keys.api_keys, Scope.INFERENCE),
-        ("GPU", keys.gpu_keys, Scope.WORKER),
-        ("admin", keys.admin_keys, Scope.ADMIN),
-    ):
-        total = len(flags) + working.get(scope, 0)
-        if total:
-            parts.append(f"{total} {name} key(s)")
-        elif ever.get(scope, 0):
-            parts.append(f"every {name} key revoked: {name} routes closed")
-        else:
-            parts.append(f"no {name} key: {name} routes open")
+    parts = [
+        _scope_keys(name, len(flags), sources[scope], working.get(scope, 0), ever.get(scope, 0))
+        for name, flags, scope in (
+            ("API", keys.api_keys, Scope.INFERENCE),
+            ("GPU", keys.gpu_keys, Scope.WORKER),
+            ("admin", keys.admin_keys, Scope.ADMIN),
+        )
+    ]
+    if keys.api_keys or keys.gpu_keys or keys.admin_keys:
+        parts.append(
+            "keys given by flag or variable are valid until this router stops "
+            "(`shoal keys revoke` reaches only the database's)"
+        )
     return "; ".join(parts)
+
+
+def _scope_keys(name: str, flags: int, source: str, stored: int, ever: int) -> str:
+    origins = [f"{flags} from {source}"] if flags else []
+    if stored:
+        origins.append(f"{stored} in the key database")
+    if origins:
+        return f"{name} keys: {' and '.join(origins)}"
+    if ever:
+        return f"every {name} key revoked: {name} routes closed"
+    return f"no {name} key: {name} routes open"
 
 
 def _stored(keys: KeyCheck, scopes: tuple[Scope, ...]) -> bool:

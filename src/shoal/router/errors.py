@@ -7,15 +7,20 @@ registers the translation. Anything else becomes a 500 with no internals in the 
 from __future__ import annotations
 
 import copy
+import secrets
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from starlette.responses import Response
 
 from shoal import api_errors
 from shoal.api_errors import ApiError, error_payload, error_response
 from shoal.protocol.messages import ErrorBody
 
 __all__ = ["error_payload", "error_response"]
+
+REQUEST_ID = "x-request-id"
+WORKER_ID = "x-shoal-worker"
 
 
 class RouterError(ApiError):
@@ -94,7 +99,7 @@ class UpstreamError(RouterError):
         super().__init__(error.message)
         self.status = status
         self.type = error.type
-        self.code = None if error.code is None else str(error.code)
+        self.code = error.code  # as the backend sent it: llama-server's is a number
 
 
 _UNKNOWN_PATH = (
@@ -103,8 +108,29 @@ _UNKNOWN_PATH = (
 )
 
 
+def new_request_id() -> str:
+    """The id of a request refused before it became a job (a job's id is its request id)."""
+    return "req_" + secrets.token_hex(8)
+
+
+def error_reply(
+    exc: ApiError, request_id: str | None = None, worker_id: str | None = None
+) -> Response:
+    """``exc`` as the router answers it: with ``x-request-id`` (the job's id, or a new one for
+    a request refused before it was queued; the job id is in the logs) and, when a worker
+    answered with the error, ``x-shoal-worker``, like every answer."""
+    response = error_response(exc)
+    response.headers[REQUEST_ID] = request_id or new_request_id()
+    if worker_id:
+        response.headers[WORKER_ID] = worker_id
+    return response
+
+
 def install(app: FastAPI) -> None:
-    api_errors.install(app, RouterError)
+    @app.exception_handler(RouterError)
+    async def _router_error(request: Request, exc: RouterError) -> Response:
+        return error_reply(exc)
+
     api_errors.install_fallbacks(app, unknown_path=_UNKNOWN_PATH, server="the router")
 
 

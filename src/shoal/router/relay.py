@@ -20,10 +20,12 @@ from shoal.router.accounting import Accounting, Ticket
 from shoal.router.dispatch.interface import Dispatcher
 from shoal.router.dispatch.job import Job
 from shoal.router.errors import (
+    REQUEST_ID,
+    WORKER_ID,
     RouterError,
     UpstreamError,
     error_payload,
-    error_response,
+    error_reply,
 )
 from shoal.router.result_cache import CacheFill
 from shoal.router.usage import cached_of, tokens_of
@@ -93,9 +95,7 @@ class JobResponse(Response):
             try:
                 place = await anext(positions, None)
             except RouterError as exc:
-                response = error_response(exc)
-                self.status_code = response.status_code
-                await response(scope, _no_receive, send)
+                await self._refuse(scope, send, exc)
                 return
             if place is not None:
                 await self._stream_after_queue(send, place, positions)
@@ -104,9 +104,7 @@ class JobResponse(Response):
             await self.dispatcher.wait_assigned(job)
             first = await self._next_answer()
         except RouterError as exc:
-            response = error_response(exc)
-            self.status_code = response.status_code
-            await response(scope, _no_receive, send)
+            await self._refuse(scope, send, exc)
             return
         if isinstance(first, Result):
             self.answer = first.body
@@ -115,11 +113,15 @@ class JobResponse(Response):
             if self.fill is not None:
                 await self.fill.finish_body(first.body)
         elif isinstance(first, Failed):
-            response = error_response(UpstreamError(first.status, first.error))
-            self.status_code = response.status_code
-            await response(scope, _no_receive, send)
+            await self._refuse(scope, send, UpstreamError(first.status, first.error))
         elif isinstance(first, Data):
             await self._stream(send, first)
+
+    async def _refuse(self, scope: Scope, send: Send, exc: RouterError) -> None:
+        """An error instead of an answer, with the job's id (and its worker's, if it had one)."""
+        response = error_reply(exc, self.job.id, self.job.worker_id)
+        self.status_code = response.status_code
+        await response(scope, _no_receive, send)
 
     async def _next_answer(self) -> ClientEvent:
         """The first event that answers the client, waiting again if the job is re-queued."""
@@ -130,9 +132,9 @@ class JobResponse(Response):
             await self.dispatcher.wait_assigned(self.job)
 
     async def _start(self, send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        headers = [*headers, (b"x-request-id", self.job.id.encode())]
+        headers = [*headers, (REQUEST_ID.encode(), self.job.id.encode())]
         if self.job.worker_id:
-            headers.append((b"x-shoal-worker", self.job.worker_id.encode()))
+            headers.append((WORKER_ID.encode(), self.job.worker_id.encode()))
         if self.ticket is not None:
             headers += [(k.encode(), v.encode()) for k, v in self.ticket.headers.items()]
         if self.fill is not None:

@@ -3,23 +3,27 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import Field, field_validator, model_validator
 
 from shoal.models.default import DEFAULT_MODEL
 from shoal.security import is_loopback
 from shoal.serving import KEEP_ALIVE_S
-from shoal.settings import CommonSettings, SecretList, split_commas
+from shoal.settings import CommonSettings, SecretList, server_variable, split_commas
+
+ROUTER_API_KEY_VARIABLE = server_variable("router", "api_key")
+"""``--api-key``'s variable: the router's own (a client's shell holds OPENAI_API_KEY)."""
 
 
 class RouterSettings(CommonSettings):
     host: str = Field("127.0.0.1", description="Address to listen on (loopback by default).")
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
-    api_key: SecretList = Field(
+    api_key: Annotated[SecretList, ROUTER_API_KEY_VARIABLE] = Field(
         (),
         description="Comma-separated API keys clients may present (Authorization: Bearer), "
-        "besides the key database's (`shoal keys create`).",
+        "besides the key database's (`shoal keys create`); valid until the router stops "
+        "(`shoal keys revoke` reaches only the database's).",
     )
     gpu_key: SecretList = Field(
         (),

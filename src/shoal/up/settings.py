@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import Field
 
 from shoal.llama_cpp.options import LlamaCppOptions
 from shoal.models.default import DEFAULT_MODEL
+from shoal.router.settings import ROUTER_API_KEY_VARIABLE
 
 
 class UpSettings(LlamaCppOptions):
@@ -24,7 +27,7 @@ class UpSettings(LlamaCppOptions):
     slots: int = Field(4, ge=1, le=4096, description="Requests served at once.")
     ctx_size: int = Field(4096, ge=256, description="Context length per slot.")
     threads: int | None = Field(None, ge=1, description="CPU threads for llama-server.")
-    api_key: str | None = Field(
+    api_key: Annotated[str | None, ROUTER_API_KEY_VARIABLE] = Field(
         None,
         description="An extra API key clients may send (besides the key database's keys; the "
         "first run creates an inference and an admin key there and prints them once).",

@@ -21,6 +21,7 @@ A ``wss://`` router is verified against the system's CAs, or the one CA given (`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import ssl
@@ -56,6 +57,7 @@ from shoal.protocol.messages import (
 )
 from shoal.protocol.shards import ShardStart, ShardState, ShardStatus, ShardStop, TunnelDial
 from shoal.worker.backoff import Backoff
+from shoal.worker.dialing import advice, failure_reason, refusal_text
 from shoal.worker.hardware import MemoryProbe
 from shoal.worker.lifecycle import Lifecycle
 from shoal.worker.outbox import Outbox
@@ -97,12 +99,11 @@ class Refusal(Exception):
 
 
 class RouterRefused(Refusal):
-    """The router answered the registration with ``refused``."""
+    """The router answered the registration with ``refused``; ``keyed``: with a key given."""
 
-    def __init__(self, refused: Refused) -> None:
+    def __init__(self, refused: Refused, url: str, *, keyed: bool) -> None:
         super().__init__(
-            f"the router refused this worker ({refused.code}): {refused.reason}",
-            fatal=refused.code in FATAL_REFUSALS,
+            refusal_text(refused, url, keyed=keyed), fatal=refused.code in FATAL_REFUSALS
         )
         self.refused = refused
 
@@ -153,6 +154,11 @@ class Routers:
     def host(self) -> str:
         """The host of the router dialed now: its tunnel listener is there too."""
         return urlsplit(self.url).hostname or "127.0.0.1"
+
+
+def _why(failure: BaseException) -> str:
+    """A non-fatal refusal says it all; anything else is worded by ``failure_reason``."""
+    return str(failure) if isinstance(failure, Refusal) else failure_reason(failure)
 
 
 class ShardOrders(Protocol):
@@ -260,15 +266,15 @@ class RouterLink:
             url = self.routers.turn(turn)
             self._move(LinkState.CONNECTING, f"to {url} (attempt {attempt + 1})")
             connected = time.monotonic()
+            failure: BaseException | None = None
             try:
                 await self._session()
-                why = "router closed the connection"
             except Refusal as refusal:
                 if refusal.fatal:
                     raise
-                why = str(refusal)
+                failure = refusal
             except (OSError, TimeoutError, websockets.WebSocketException) as exc:
-                why = f"{type(exc).__name__}: {exc}"
+                failure = exc
             finally:
                 self._detach()
             if time.monotonic() - connected > STABLE_AFTER_S:
@@ -276,8 +282,9 @@ class RouterLink:
             delay = self.backoff.failover_delay(attempt, len(self.routers.urls))
             attempt += 1
             turn += 1
+            why = "router closed the connection" if failure is None else _why(failure)
             if not self.default_model.done() and turn == self._warn_at:
-                self._warn_never_reached(turn, why)
+                self._warn_never_reached(turn, why, failure)
             self._move(LinkState.WAITING, f"{why}; reconnecting in {delay:.1f} s")
             await asyncio.sleep(delay)
 
@@ -285,17 +292,15 @@ class RouterLink:
     def _warn_at(self) -> int:
         return NEVER_REACHED_WARN_AFTER * len(self.routers.urls)
 
-    def _warn_never_reached(self, attempts: int, why: str) -> None:
+    def _warn_never_reached(self, attempts: int, why: str, failure: BaseException | None) -> None:
         log.warning(
-            "worker %s has not joined a router after %d attempts (dialing %s; last: %s). Check "
-            "that the router runs and listens there (its --host and --port: it listens on "
-            "127.0.0.1 only unless given --host 0.0.0.0), that no firewall is in the way, and "
-            "the scheme: a router with --tls-cert needs wss:// (or --tls-ca with host:port). "
+            "worker %s has not joined a router after %d attempts (dialing %s; last: %s). %s "
             "Retrying.",
             self.worker_id,
             attempts,
             ", ".join(self.routers.urls),
             why,
+            advice(failure),
         )
 
     def _detach(self) -> None:
@@ -370,11 +375,14 @@ class RouterLink:
         if held:
             register = register.model_copy(update={"running": held})
             log.info("asking the router to take back %d job(s)", len(held))
-        await ws.send(encode(register))
+        with contextlib.suppress(websockets.ConnectionClosed):
+            # A router that refuses (a bad key) may have closed before this frame left: its
+            # ``refused``, which came first, is still there to read.
+            await ws.send(encode(register))
         async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
             reply = decode_router_message(await ws.recv())
         if isinstance(reply, Refused):
-            raise RouterRefused(reply)
+            raise RouterRefused(reply, self.url, keyed=self.routers.gpu_key is not None)
         if not isinstance(reply, Registered):
             raise websockets.InvalidMessage(f"expected 'registered', got {reply.type!r}")
         return reply

@@ -6,7 +6,7 @@ import ipaddress
 import socket
 from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
@@ -16,26 +16,71 @@ from shoal.protocol.messages import WS_PATH
 REDIS_SCHEMES = frozenset({"redis", "rediss", "unix"})
 
 
+WS_SCHEMES = {"ws": "ws", "wss": "wss", "http": "ws", "https": "wss"}
+"""The schemes a --router-url may have, and what the worker dials for each."""
+
+
 def has_scheme(router_url: str) -> bool:
     return "://" in router_url
 
 
 def router_ws_url(router_url: str, *, tls: bool = False) -> str:
-    """``host:port``, ``http(s)://host:port`` or ``ws(s)://host:port[/path]`` -> the WS URL.
+    """``host:port``, ``http(s)://host[:port]`` or ``ws(s)://host[:port]`` -> the URL the worker
+    dials: ``ws(s)://host:port/ws/worker``; a ``ValueError`` saying what to fix for one that
+    cannot reach a router's worker socket.
 
-    ``host:port`` alone is ``wss://`` with ``tls`` (a worker given --tls-ca means TLS),
-    else ``ws://``.
+    ``host:port`` alone is ``wss://`` with ``tls`` (a worker given --tls-ca means TLS), else
+    ``ws://``; it needs its port (``127.0.0.1`` alone would dial port 80, where no router
+    listens by default). A URL with a scheme may leave the port out (80 for ws/http, 443 for
+    wss/https: a router behind a proxy). The path is the workers' (``/ws/worker``, added when
+    missing; a proxy may put a prefix before it); any other path (the clients' ``/v1``,
+    pasted from ``shoal up``'s banner) is refused, naming what to drop.
     """
-    url = router_url.strip().rstrip("/")
-    for http, ws in (("http://", "ws://"), ("https://", "wss://")):
-        if url.startswith(http):
-            url = ws + url[len(http) :]
-    if not url.startswith(("ws://", "wss://")):
-        url = ("wss://" if tls else "ws://") + url
-    scheme, rest = url.split("://", 1)
-    if "/" not in rest:
-        url = f"{scheme}://{rest}{WS_PATH}"
-    return url
+    given = router_url.strip()
+    if has_scheme(given):
+        scheme, rest = given.split("://", 1)
+        dial = WS_SCHEMES.get(scheme.lower())
+        if dial is None:
+            raise ValueError(
+                f"{given!r} has the unknown scheme {scheme!r}: give ws:// or wss:// (http:// "
+                "and https:// mean the same), or host:port"
+            )
+    else:
+        dial, rest = ("wss" if tls else "ws"), given
+    parts = urlsplit("//" + rest)
+    query = f"?{parts.query}" if parts.query else ""
+    return f"{dial}://{_netloc(given, parts)}{_path(given, parts.path)}{query}"
+
+
+def _netloc(given: str, parts: SplitResult) -> str:
+    if not parts.hostname:
+        raise ValueError(f"{given!r} names no host: give the router's, e.g. router.lan:8000")
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0 or (port is None and parts.netloc.endswith(":")):
+        raise ValueError(f"{given!r}: the port must be a number from 1 to 65535")
+    if port is None and not has_scheme(given):
+        raise ValueError(
+            f"{given!r} has no port: give the router's --port (8000 by default), e.g. "
+            f"{parts.netloc}:8000"
+        )
+    return parts.netloc
+
+
+def _path(given: str, path: str) -> str:
+    path = path.rstrip("/")
+    if not path:
+        return WS_PATH
+    if path.endswith(WS_PATH):
+        return path
+    trimmed = given.rstrip("/")
+    hint = f": give {trimmed.removesuffix(path)}" if trimmed.endswith(path) else ""
+    raise ValueError(
+        f"{given!r} has the path {path}, which is not the router's worker socket: workers dial "
+        f"{WS_PATH}, added for you; drop {path}{hint}"
+    )
 
 
 class WorkerSettings(LlamaCppOptions):
@@ -215,8 +260,11 @@ class WorkerSettings(LlamaCppOptions):
     @field_validator("router_url")
     @classmethod
     def _router_url_ok(cls, value: str) -> str:
-        if not any(u.strip() for u in value.split(",")):
+        urls = [u.strip() for u in value.split(",") if u.strip()]
+        if not urls:
             raise ValueError("give at least one router URL (host:port, or a ws:// or wss:// URL)")
+        for url in urls:
+            router_ws_url(url)  # raises what is wrong with it
         return value
 
     @field_validator("rpc_host")

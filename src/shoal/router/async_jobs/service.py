@@ -48,6 +48,10 @@ MAX_ACTIVE_JOBS = 1024
 SHUTDOWN_WRITE_S = 1.0
 """On shutdown, how long to try to mark each interrupted job failed in the store."""
 RETRY_AFTER_TOO_MANY_S = 5.0
+FIRST_NEWS_WAIT_S = 1.0
+"""How long ``submit`` waits for a new job's first news (its place in the queue, a worker, or
+its end) so that the 202 shows it: at once with the in-process queue; with Redis a place is
+known once a job has waited 0.25 s (a free worker anywhere takes it before)."""
 
 
 @dataclass(frozen=True)
@@ -114,11 +118,13 @@ class JobsService:
         *,
         max_active: int = MAX_ACTIVE_JOBS,
         clock: Callable[[], float] = time.time,
+        first_news_wait_s: float = FIRST_NEWS_WAIT_S,
     ) -> None:
         self.store = store
         self.runner = runner
         self.max_active = max_active
         self.clock = clock
+        self.first_news_wait_s = first_news_wait_s
         self._group: asyncio.TaskGroup | None = None
         self._ready = asyncio.Event()
         self._tasks: dict[AsyncJobId, asyncio.Task[None]] = {}
@@ -165,7 +171,9 @@ class JobsService:
     async def submit(
         self, job_type: JobType, model: str, body: dict[str, Any], owner: Owner
     ) -> JobRecord:
-        """Store a queued job and start running it; 429 past ``max_active``."""
+        """Store a queued job and start running it; 429 past ``max_active``. The record
+        returned is the job's once its first news came (``FIRST_NEWS_WAIT_S``): queued with
+        its ``queue_position``, running, or ended."""
         if self._group is None:
             raise RuntimeError("JobsService.run() is not running: start it in the lifespan")
         if len(self._tasks) + self._creating >= self.max_active:
@@ -189,6 +197,7 @@ class JobsService:
         if group is None:  # the service stopped while the record was being stored
             await self._record_stopped(record.id)
             raise Unavailable("The router is stopping; submit the job again (to another router).")
+        news = asyncio.Event()
         request = RunRequest(
             job_id=record.id,
             type=job_type,
@@ -196,17 +205,28 @@ class JobsService:
             model=model,
             body=body,
             key_id=owner.key_id,
-            started=lambda: self._started(record.id),
+            started=lambda: self._started(record.id, news),
             progress=lambda report: self.store.set_progress(record.id, report),
-            queued=lambda place: self.store.set_queue_position(record.id, place),
+            queued=lambda place: self._queued(record.id, place, news),
             queueing=owner.queueing,
         )
         task = group.create_task(self._run_job(request), name=f"async job {record.id}")
         self._tasks[record.id] = task
         self._idle.clear()
+        task.add_done_callback(lambda _: news.set())
         task.add_done_callback(lambda _: self._forget(record.id))
         log.info("async job %s model=%s type=%s queued", record.id, model, job_type)
-        return record
+        return await self._after_first_news(record, news)
+
+    async def _after_first_news(self, record: JobRecord, news: asyncio.Event) -> JobRecord:
+        """``record`` as it stands once ``news`` came, or ``first_news_wait_s`` passed."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.first_news_wait_s):
+                await news.wait()
+        try:
+            return await self.store.get(record.id) or record
+        except JobStoreUnavailable:  # it was stored: the 202 stands, without the news
+            return record
 
     async def get(self, job_id: str, owner: str | None) -> JobRecord:
         """The job's record, if ``owner`` may see it; else ``JobNotFound`` (404)."""
@@ -229,8 +249,13 @@ class JobsService:
 
     # ------------------------------------------------------------ job tasks
 
-    async def _started(self, job_id: AsyncJobId) -> None:
+    async def _started(self, job_id: AsyncJobId, news: asyncio.Event) -> None:
         await self.store.set_running(job_id)
+        news.set()
+
+    async def _queued(self, job_id: AsyncJobId, place: int, news: asyncio.Event) -> None:
+        await self.store.set_queue_position(job_id, place)
+        news.set()
 
     async def _run_job(self, request: RunRequest) -> None:
         try:

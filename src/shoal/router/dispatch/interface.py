@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
 
 from shoal.protocol.ids import ModelName
+from shoal.protocol.messages import Endpoint
 from shoal.router.dispatch.directory import RemoteWorker
 from shoal.router.dispatch.job import Job, Submission
 from shoal.router.dispatch.worker_side import WorkerSide
@@ -27,6 +28,11 @@ class Dispatcher(Protocol):
         ...
 
     # ------------------------------------------------------------ a request's side
+
+    def check_served(self, model: ModelName, endpoint: Endpoint) -> None:
+        """404/400/503 when no worker anywhere could take a job for ``model`` at ``endpoint``
+        now (``submit`` checks it first; async jobs are checked before they are accepted)."""
+        ...
 
     def submit(self, ask: Submission) -> Job:
         """Accept a job (404/400/503/429 when no worker anywhere could take it)."""

@@ -97,8 +97,11 @@ class MemoryDispatcher:
 
     # ------------------------------------------------------------ a request's side
 
+    def check_served(self, model: ModelName, endpoint: Endpoint) -> None:
+        answers.check_served(model, endpoint, self.registry, (), self._away)
+
     def submit(self, ask: Submission) -> Job:
-        answers.check_served(ask.model, ask.endpoint, self.registry, (), self._away)
+        self.check_served(ask.model, ask.endpoint)
         job = Job.of(ask)
         queue = self._queue(job)
         if not queue and self._try_assign(job):

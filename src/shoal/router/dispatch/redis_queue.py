@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 
 from shoal.protocol.ids import JobId, ModelName, WorkerId
-from shoal.protocol.messages import ErrorBody
+from shoal.protocol.messages import Endpoint, ErrorBody
 from shoal.protocol.prefix import prefix_chain
 from shoal.queue import events
 from shoal.queue.redis_streams import RedisJobQueue
@@ -262,12 +262,14 @@ class RedisDispatcher:
 
     # ------------------------------------------------------------ client side
 
+    def check_served(self, model: ModelName, endpoint: Endpoint) -> None:
+        answers.check_served(model, endpoint, self.registry, self.directory.remote, self._away)
+
     def submit(self, ask: Submission) -> Job:
         """The job waits in Redis for ``ask.tenant``'s share (``_enqueue``)."""
         if self._tg is None:
             raise Unavailable("The router is starting or stopping; retry in a moment.")
-        remote = self.directory.remote
-        answers.check_served(ask.model, ask.endpoint, self.registry, remote, self._away)
+        self.check_served(ask.model, ask.endpoint)
         job = Job.of(ask)
         followed = _Followed(job, asyncio.get_running_loop().create_future())
         self._followed[job.id] = followed

@@ -24,7 +24,7 @@ from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import Endpoint
 from shoal.router.context import RouterContext, context
 from shoal.router.dispatch.job import Submission
-from shoal.router.errors import BadRequest, RouterError, error_response
+from shoal.router.errors import BadRequest, RouterError, error_reply
 from shoal.router.relay import JobResponse
 from shoal.router.requests import (
     MAX_CHOICES,
@@ -123,12 +123,12 @@ class FastPath:
             raw = await read_body(_chunks(receive), headers, self.ctx.settings.max_body_bytes)
             response: Response = await submit(self.ctx, endpoint, headers, raw)
         except RouterError as exc:
-            response = error_response(exc)
+            response = error_reply(exc)
         except ClientDisconnected:
             return
         except Exception:  # the one place the fast path turns a bug into a clean 500
             log.exception("unhandled error on POST %s", scope["path"])
-            response = error_response(RouterError("Internal error in the router; see its log."))
+            response = error_reply(RouterError("Internal error in the router; see its log."))
         try:
             await response(scope, receive, send)
         finally:

@@ -1,10 +1,12 @@
-"""Async jobs: ``POST /v1/jobs`` queues a request and answers 202 at once; ``GET /v1/jobs/{id}``
+"""Async jobs: ``POST /v1/jobs`` queues a request and answers 202; ``GET /v1/jobs/{id}``
 tells its status and, once it has ended, its result or error; ``DELETE`` cancels it.
 
 The body of ``POST /v1/jobs`` is the request body of the endpoint its ``type`` names, plus
 ``type``: ``{"type": "chat_completion", "messages": [...], "temperature": 0}``. It is checked
-like the synchronous request (same limits, same 400s) before anything is queued; async jobs are
-never streamed. A job is visible only to the API key that created it (another key gets 404).
+like the synchronous request (same limits, same 400s, a 404 for a model no worker serves)
+before anything is queued; async jobs are never streamed. The 202 shows where the job stands
+once the router knows (``JobsService.submit``): its ``queue_position``, or running. A job
+is visible only to the API key that created it (another key gets 404).
 
 Dependencies come from the app: ``install`` puts the ``JobsApi`` in ``app.state.jobs_api``; the
 composition root sets ``app.state.check_key`` (headers in, the ``Owner`` out: key id and how
@@ -23,6 +25,8 @@ from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from shoal.protocol.ids import ModelName
+from shoal.protocol.messages import Endpoint
 from shoal.router.async_jobs.records import JobRecord, JobStatus, JobType
 from shoal.router.async_jobs.service import JobsService, Owner
 from shoal.router.errors import BadRequest
@@ -44,11 +48,17 @@ no keys), or raises 401/403."""
 _TYPES = ", ".join(t.value for t in JobType)
 
 
+ServedCheck = Callable[[ModelName, Endpoint], None]
+"""Raises the 404/400/503 a request for a model no worker could take gets (``Dispatcher``'s
+``check_served``): an async job for it is refused at submit, like the request itself."""
+
+
 @dataclass(frozen=True)
 class JobsApi:
     service: JobsService
     limits: RequestLimits
     default_model: str
+    check_served: ServedCheck
 
 
 @dataclass(frozen=True)
@@ -58,10 +68,15 @@ class JobRequest:
 
 
 def install(
-    app: FastAPI, service: JobsService, *, limits: RequestLimits, default_model: str
+    app: FastAPI,
+    service: JobsService,
+    *,
+    limits: RequestLimits,
+    default_model: str,
+    check_served: ServedCheck,
 ) -> None:
     """Serve the jobs routes on ``app`` with ``service`` (``app.state.check_key`` is needed)."""
-    app.state.jobs_api = JobsApi(service, limits, default_model)
+    app.state.jobs_api = JobsApi(service, limits, default_model, check_served)
     app.include_router(router)
 
 
@@ -179,6 +194,7 @@ async def create_job(request: Request) -> Response:
     ctx = getattr(request.app.state, "ctx", None)
     served = image_models_of(ctx.dispatcher.worker_summaries()) if ctx is not None else []
     job = parse_job_request(json_body(raw), api.default_model, api.limits, served)
+    api.check_served(ModelName(job.request.model), job.type.endpoint)
     record = await api.service.submit(job.type, job.request.model, job.request.body, owner)
     return _job(record, 202)
 

@@ -32,10 +32,13 @@ from shoal.router.context import RouterContext, context
 from shoal.router.dispatch.interface import Dispatcher
 from shoal.router.stall import frozen, next_check
 from shoal.router.workers import ConnState, WorkerConnection
+from shoal.tls_listener import PeerWarnings
 
 log = logging.getLogger(__name__)
 
 REGISTER_TIMEOUT_S = 10.0
+CLOSE_POLICY_VIOLATION = 1008
+"""The standard close code for a connection this server does not serve (RFC 6455)."""
 
 router = APIRouter()
 
@@ -124,6 +127,31 @@ async def worker_socket(ws: WebSocket) -> None:
     ctx.dispatcher.workers.on_registered(worker, msg.running)
     ctx.deployments.on_registered(worker)
     await _serve(ws, worker, ctx)
+
+
+UNKNOWN_PATH_WARN_EVERY_S = 600.0
+"""A WebSocket to a path that is not the workers' (a worker dialing the clients' /v1, from a
+--router-url its version did not check) is logged once per path per this period."""
+_unknown_paths = PeerWarnings(UNKNOWN_PATH_WARN_EVERY_S)
+"""Which unknown paths were logged lately, for the whole process: a rate limit on the log."""
+
+
+@router.websocket("/{path:path}")
+async def unknown_socket(ws: WebSocket, path: str) -> None:
+    """Any other WebSocket path: closed with a reason that names the workers' path, instead of
+    the bare 403 a worker would retry forever without a word about why."""
+    where = "/" + path
+    await ws.accept()
+    if _unknown_paths.due(where, time.monotonic()):
+        log.warning(
+            "a WebSocket to %s from %s was closed: workers dial %s (a worker's --router-url is "
+            "host:port, without a path)",
+            where,
+            _peer(ws),
+            WS_PATH,
+        )
+    reason = f"no worker socket at {where[:40]}: workers dial {WS_PATH} (--router-url HOST:PORT)"
+    await _close_quietly(ws, CLOSE_POLICY_VIOLATION, reason)
 
 
 async def _serve(ws: WebSocket, worker: WorkerConnection, ctx: RouterContext) -> None:

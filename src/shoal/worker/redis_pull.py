@@ -16,8 +16,11 @@ runs in the ``JobRunner``; its output comes back here (this class is its ``JobSi
 published in one round trip per batch (whatever piled up while the previous publish was in
 flight). Leases are renewed every ``renew_interval_s``; cancellations stop the job in the
 runner. A retryable failure of a job that published nothing goes back to its queue for any
-worker to run. A periodic ``sweep`` puts back the jobs of holders that died (a killed pull
-worker, a dead router). Publishing, renewals, cancellations and sweeps are
+worker to run. A job is claimed only when its need (``QueuedJob.need``) fits this worker's
+context per slot (the claim's ``limits``); one whose prompt llama-server refused anyway as
+too long goes back needing more, for a worker with a larger context (the client's router
+answers the 400 if there is none). A periodic ``sweep`` puts back the jobs of holders that
+died (a killed pull worker, a dead router). Publishing, renewals, cancellations and sweeps are
 ``queue.redis_consumer.ConsumerLoops``, shared with the router's ``Holder``.
 
 Its entry in the worker list (``redis_presence``) names its consumer and what its slots hold,
@@ -103,18 +106,23 @@ ALLOWED: dict[PullState, frozenset[PullState]] = {
 
 @dataclass(frozen=True, slots=True)
 class ClaimPlan:
-    """What the claim loop does next: claim ``count`` jobs of ``keys``, or wait (``state``)."""
+    """What the claim loop does next: claim ``count`` jobs of ``keys``, or wait (``state``);
+    ``limits``: the most context a job of each key may need (its model's context per slot;
+    absent: any)."""
 
     state: PullState
     keys: tuple[tuple[ModelName, Endpoint], ...] = ()
     count: int = 0
     why: str = ""
+    limits: dict[tuple[ModelName, Endpoint], int] = field(default_factory=dict)
 
 
 def plan_claim(
     models: Iterable[ModelInfo], backend: BackendState, slots: int, busy: int
 ) -> ClaimPlan:
-    """Claim for every (model, endpoint) served, as many jobs as slots are free."""
+    """Claim for every (model, endpoint) served, as many jobs as slots are free, each no
+    longer than a slot holds."""
+    models = tuple(models)
     keys = tuple(sorted({(m.name, e) for m in models for e in m.endpoints}))
     if backend not in _TAKES_JOBS:
         return ClaimPlan(PullState.PAUSED, why=f"(backend {backend})")
@@ -122,7 +130,10 @@ def plan_claim(
         return ClaimPlan(PullState.PAUSED, why="(no model yet)")
     if busy >= slots:
         return ClaimPlan(PullState.FULL, why=f"({busy}/{slots} slots busy)")
-    return ClaimPlan(PullState.CLAIMING, keys, slots - busy, f"({slots - busy} free slot(s))")
+    limits = {(m.name, e): m.context_length for m in models for e in m.endpoints}
+    known = {key: n for key, n in limits.items() if n is not None}
+    free = slots - busy
+    return ClaimPlan(PullState.CLAIMING, keys, free, f"({free} free slot(s))", known)
 
 
 def consumer_name(worker_id: str) -> str:
@@ -273,7 +284,7 @@ class RedisPuller:
                 await self._sleep_until_woken()
                 continue
             try:
-                claimed = await self.queue.claim(plan.keys, plan.count)
+                claimed = await self.queue.claim(plan.keys, plan.count, limits=plan.limits)
             except REDIS_DOWN as exc:
                 self.queue.outage.failed("claim", exc)
                 delay = self.backoff.delay(attempt)
@@ -358,6 +369,18 @@ class RedisPuller:
                 self._send((held.claimed, events.Done()))
             case JobResult(body=body):
                 self._send((held.claimed, events.Result(body)))
+            case JobFailed(context_needed=int(needed), error=error) if not held.answer.started:
+                need = max(held.claimed.job.need, needed)
+                why = f"worker {self.worker_id}: {error.message}"
+                log.info(
+                    "job %s model=%s: pull worker %s has too little context for its prompt; "
+                    "it needs %d tokens",
+                    message.job_id,
+                    held.claimed.job.model,
+                    self.worker_id,
+                    need,
+                )
+                self._send(GiveBack(held.claimed, why, need=need))
             case JobFailed(retryable=True, error=error) if self._may_run_again(held):
                 self._send(GiveBack(held.claimed, f"worker {self.worker_id}: {error.message}"))
             case JobFailed(error=error) if resume := self._continuation(held, message):

@@ -5,9 +5,15 @@ where a job's output goes and where a job waits again (``Sink``): in-process, to
 request and the front of the router's queue; with Redis, to the job's output stream and back
 into Redis. The rules live here once:
 
-* a job goes to the worker ``pick_worker`` chooses (``scheduler.py``), and holds one of its
-  slots until it ends; with ``prefix`` routing its prefix chain (``protocol/prefix.py``,
-  computed here once per placement) is matched against what each worker's slots hold;
+* a job goes to the worker ``pick_worker`` chooses (``scheduler.py``) among those whose
+  context per slot holds the job's need (``need.py``), and holds one of its slots until it
+  ends; with ``prefix`` routing its prefix chain (``protocol/prefix.py``, computed here once
+  per placement) is matched against what each worker's slots hold;
+* a job whose prompt a worker's llama-server refused as longer than its context waits for a
+  worker with more (its need raised to the prompt's tokens as llama-server counted them),
+  or fails with the 400 when no worker serving its model has that much (the sink's
+  ``wait_for_context``), whatever ``--max-requeues`` says (the run counts as one, though):
+  each refusal rules out every worker with as little context, so this ends;
 * a job that produced no output yet runs again elsewhere when its worker fails it as
   retryable or is lost, at most ``--max-requeues`` times; past that it fails (a lost
   worker: 502 ``worker_lost``);
@@ -82,6 +88,13 @@ class Sink(Protocol[T_contra]):
     def trail(self, ticket: T_contra, tokens: tuple[int, ...] | None, answer: AnswerSoFar) -> None:
         """A chunk was sent on: keep what the client has where another router can see it
         (with Redis; in-process, ``Running`` keeps it)."""
+        ...
+
+    def wait_for_context(self, ticket: T_contra, need: int, why: str) -> None:
+        """A worker's llama-server refused the job's prompt as longer than its context (it
+        produced nothing): wait for a worker whose slots hold ``need`` tokens (``Job.need``
+        is raised to it), or fail with the 400 when no worker serving its model has that
+        many (in-process here; with Redis, the client's router, which sees every worker)."""
         ...
 
     def go_on(self, ticket: T_contra, resume: Continuation, why: str, reason: str) -> bool:
@@ -197,10 +210,10 @@ class Running(Generic[T]):
         that just failed it mid-answer while another can take it (its llama-server may not
         have said yet that it died)."""
         others = (w.load() for w in self.registry if w.id != job.avoid)
-        worker_id = pick_worker(others, job.model, job.endpoint, prefix)
+        worker_id = pick_worker(others, job.model, job.endpoint, prefix, job.need)
         if worker_id is None and job.avoid is not None:
             everyone = (w.load() for w in self.registry)
-            worker_id = pick_worker(everyone, job.model, job.endpoint, prefix)
+            worker_id = pick_worker(everyone, job.model, job.endpoint, prefix, job.need)
         return self.registry.get(worker_id) if worker_id else None
 
     def adopt(
@@ -287,7 +300,18 @@ class Running(Generic[T]):
             return
         self._release(msg.job_id)
         why = f"worker {worker.id}: {msg.error.message}"
-        if msg.retryable and self._may_run_again(placed):
+        if msg.context_needed is not None and not placed.answer.started:
+            placed.job.need = max(placed.job.need, msg.context_needed)
+            log.info(
+                "job %s model=%s: worker %s has too little context for its prompt; it needs "
+                "%d tokens",
+                msg.job_id,
+                placed.job.model,
+                worker.id,
+                placed.job.need,
+            )
+            self._sink.wait_for_context(placed.ticket, placed.job.need, why)
+        elif msg.retryable and self._may_run_again(placed):
             self._sink.run_again(placed.ticket, why)
         elif (msg.retryable or msg.resumable) and self._go_on(placed, why, "backend"):
             pass  # (retryable: a run that was to go on never reached the model: again)
@@ -363,7 +387,11 @@ class Running(Generic[T]):
         if not self._preempt:
             return False
         served = (job.model, job.endpoint)
-        workers = [w for w in self.registry if w.available and served in w.served]
+        workers = [
+            w
+            for w in self.registry
+            if w.available and served in w.served and w.load().fits(job.model, job.need)
+        ]
         running = [
             self._candidate(run, other)
             for worker in workers

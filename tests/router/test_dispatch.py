@@ -333,3 +333,36 @@ def test_a_worker_that_does_not_say_its_context_takes_any_request() -> None:
     sized(dispatcher, "attached", None)
     job = dispatcher.submit(ask("x" * 600_000, max_tokens=5000))
     assert job.worker_id == "attached"
+
+
+def test_a_non_streamed_answer_failed_retryably_goes_on_from_its_progress() -> None:
+    """``queue.failure``: the progress of a non-streamed answer is kept when its next run
+    finds its backend not serving (it used to run again from the start here, and go on on a
+    pull worker)."""
+    dispatcher = memory_dispatcher()
+    first = connect(dispatcher, "first", (Endpoint.CHAT,))
+    job = dispatcher.submit(Submission(M, Endpoint.CHAT, False, {"messages": []}))
+    dispatcher.workers.on_chunks(first, [(job.id, HEAD, (1, 2, 3))])  # progress only
+    _starts(first)
+    error = ErrorBody(message="llama-server restarting", type="server_error")
+    dispatcher.workers.on_message(
+        first, JobFailed(job_id=job.id, status=503, error=error, retryable=True)
+    )
+    [again] = _starts(first)
+    assert again.resume == Continuation(tokens=(1, 2, 3), id="chatcmpl-1", created=7)
+    assert job.resumes == 1 and job.requeues == 0
+
+
+def test_a_non_streamed_answer_whose_only_worker_is_lost_waits_to_run_again() -> None:
+    """It could go on, but no worker serves its model now: its client has nothing yet, so it
+    waits to run again (a worker may come back within --max-wait) instead of failing."""
+    dispatcher = memory_dispatcher()
+    only = connect(dispatcher, "only", (Endpoint.CHAT,))
+    job = dispatcher.submit(Submission(M, Endpoint.CHAT, False, {"messages": []}))
+    dispatcher.workers.on_chunks(only, [(job.id, HEAD, (1, 2, 3))])  # progress only
+    dispatcher.workers.on_lost(only, "test")
+    assert job.state is JobState.QUEUED and job.requeues == 1
+    assert [type(e) for e in _events(job)] == [Requeued]
+    back = connect(dispatcher, "back", (Endpoint.CHAT,))
+    [again] = _starts(back)
+    assert again.resume is None  # from the start

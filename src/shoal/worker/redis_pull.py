@@ -15,8 +15,10 @@ PAUSED wait on an event (a job ended, the backend or models changed), never poll
 runs in the ``JobRunner``; its output comes back here (this class is its ``JobSink``) and is
 published in one round trip per batch (whatever piled up while the previous publish was in
 flight). Leases are renewed every ``renew_interval_s``; cancellations stop the job in the
-runner. A retryable failure of a job that published nothing goes back to its queue for any
-worker to run. A job is claimed only when its need (``QueuedJob.need``) fits this worker's
+runner. A job whose run fails here runs again, goes on elsewhere from what its client has,
+waits for a worker with more context or fails, as ``queue.failure.after_failure`` says (the
+rule a router follows for its own workers): given back to its queue for any worker, or
+failed with its error. A job is claimed only when its need (``QueuedJob.need``) fits this worker's
 context per slot (the claim's ``limits``); one whose prompt llama-server refused anyway as
 too long goes back needing more, for a worker with a larger context (the client's router
 answers the 400 if there is none). A periodic ``sweep`` puts back the jobs of holders that
@@ -49,7 +51,6 @@ import redis.asyncio as aioredis
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import (
     BackendState,
-    Continuation,
     Endpoint,
     JobDone,
     JobFailed,
@@ -60,6 +61,7 @@ from shoal.protocol.messages import (
 )
 from shoal.queue import events
 from shoal.queue.answer import AnswerSoFar, trail_of
+from shoal.queue.failure import Next, Sent, after_failure, failure_of
 from shoal.queue.redis_claimed import Claimed
 from shoal.queue.redis_consumer import ConsumerLoops, GiveBack, Outgoing
 from shoal.queue.redis_streams import LEASE_MS, RedisJobQueue
@@ -369,43 +371,50 @@ class RedisPuller:
                 self._send((held.claimed, events.Done()))
             case JobResult(body=body):
                 self._send((held.claimed, events.Result(body)))
-            case JobFailed(context_needed=int(needed), error=error) if not held.answer.started:
-                need = max(held.claimed.job.need, needed)
-                why = f"worker {self.worker_id}: {error.message}"
-                log.info(
-                    "job %s model=%s: pull worker %s has too little context for its prompt; "
-                    "it needs %d tokens",
-                    message.job_id,
-                    held.claimed.job.model,
-                    self.worker_id,
-                    need,
-                )
-                self._send(GiveBack(held.claimed, why, need=need))
-            case JobFailed(retryable=True, error=error) if self._may_run_again(held):
-                self._send(GiveBack(held.claimed, f"worker {self.worker_id}: {error.message}"))
-            case JobFailed(error=error) if resume := self._continuation(held, message):
-                why = f"worker {self.worker_id}: {error.message}"
-                log.warning(
-                    "job %s model=%s: %s; going on elsewhere after %d tokens",
-                    message.job_id,
-                    held.claimed.job.model,
-                    why,
-                    len(resume.tokens),
-                )
-                self._send(GiveBack(held.claimed, why, resume))
-            case JobFailed(status=status, error=error):
-                self._send((held.claimed, events.Failed(status, error)))
+            case JobFailed():
+                self._failed(held, message)
 
-    def _may_run_again(self, held: Held) -> bool:
-        return not held.answer.started and held.claimed.attempt <= self.max_requeues
-
-    def _continuation(self, held: Held, failed: JobFailed) -> Continuation | None:
-        """Its backend died mid-answer: what another worker needs to go on, if it may."""
-        if not (failed.resumable or failed.retryable):
-            return None
-        job = held.claimed.job
-        resumes = held.claimed.resumes
-        return held.answer.continuation(job.endpoint, resumes, self.resume_attempts)
+    def _failed(self, held: Held, failed: JobFailed) -> None:
+        """Do with a job whose run failed here what ``queue.failure.after_failure`` says
+        (the rule a router follows for its workers too)."""
+        claimed, answer = held.claimed, held.answer
+        job = claimed.job
+        why = f"worker {self.worker_id}: {failed.error.message}"
+        sent = Sent.of(answer, job.endpoint, job.stream, claimed.attempt, claimed.resumes)
+        step = after_failure(failure_of(failed), sent, self.max_requeues, self.resume_attempts)
+        if step is Next.GO_ON:
+            resume = answer.continuation(job.endpoint, claimed.resumes, self.resume_attempts)
+            assert resume is not None  # ``after_failure`` goes on only where it can
+            log.warning(
+                "job %s model=%s: %s; going on elsewhere after %d tokens",
+                job.id,
+                job.model,
+                why,
+                len(resume.tokens),
+            )
+            self._send(GiveBack(claimed, why, resume))
+        elif step is Next.RUN_AGAIN:
+            self._send(GiveBack(claimed, why))
+        elif step is Next.WAIT_FOR_CONTEXT:
+            need = max(job.need, failed.context_needed or 0)
+            log.info(
+                "job %s model=%s: pull worker %s has too little context for its prompt; it "
+                "needs %d tokens",
+                job.id,
+                job.model,
+                self.worker_id,
+                need,
+            )
+            self._send(GiveBack(claimed, why, need=need))
+        else:
+            log.warning(
+                "job %s model=%s failed on pull worker %s: %s",
+                job.id,
+                job.model,
+                self.worker_id,
+                why,
+            )
+            self._send((claimed, events.Failed(failed.status, failed.error)))
 
     def _send(self, item: Outgoing) -> None:
         self.loops.send(item)

@@ -13,8 +13,9 @@ loops (publishing, renewals, cancellations, sweeps) are
 ``queue.redis_consumer.ConsumerLoops``, the same a pull-mode worker runs; this class says
 what it holds and how to stop a job.
 
-A retryable failure, or a lost worker, puts a job that published nothing back in its queue
-(another worker anywhere runs it); a job that had answered in part fails with a 502. A job
+A job whose run failed, or whose worker was lost, goes back to its queue to run again or to
+go on from what its client has (another worker anywhere takes it), or fails, as
+``queue.failure.after_failure`` says (``Running`` applies it, as a pull worker does). A job
 whose prompt a worker's llama-server refused as too long goes back needing more context:
 only a claimer with a slot that holds it takes it (the claim's ``limits``, one per pair
 served: ``scheduler.claim_limit``). A

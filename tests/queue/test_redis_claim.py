@@ -9,6 +9,7 @@ pull worker names its consumer: ``worker.redis_pull.consumer_name``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -18,6 +19,7 @@ import redis.asyncio as aioredis
 
 from shoal.protocol.ids import ModelName, new_job_id
 from shoal.protocol.messages import Endpoint
+from shoal.queue.events import Requeued
 from shoal.queue.redis_keys import RedisKeys
 from shoal.queue.redis_streams import RedisJobQueue
 from shoal.queue.redis_support import QueuedJob
@@ -116,3 +118,59 @@ async def test_a_job_held_for_a_pull_worker_waits_for_it_then_anyone_takes_it(
     assert HOLD_MS / 1000 - 0.1 <= waited < HOLD_MS / 1000 + 1.0, waited
     assert [c.job.id for c in await p2.claim([CHAT], 1, 100)] == [held.id]
     assert await p1.claim([CHAT], 1, 100) == []
+
+
+# ---------------------------------------------------------------- context limits
+
+
+def long_job(need: int) -> QueuedJob:
+    return QueuedJob(new_job_id(), CHAT[0], CHAT[1], True, {}, need)
+
+
+async def test_a_job_longer_than_a_claimers_context_waits_for_one_that_holds_it(
+    queue: Factory,
+) -> None:
+    """A claimer passes over a job needing more context than its limit (and takes the one
+    after it at once, without waiting on it as on a hold); a claimer with enough takes it,
+    with its need."""
+    small, big = queue("router-small"), queue("router-big")
+    long, short = long_job(3600), long_job(900)
+    await small.enqueue(long)
+    await small.enqueue(short)
+    started = time.monotonic()
+    got = await small.claim([CHAT], 2, 1000, limits={CHAT: 2048})
+    assert [c.job.id for c in got] == [short.id]
+    assert await small.claim([CHAT], 1, 300, limits={CHAT: 2048}) == []
+    assert time.monotonic() - started < 1.5  # blocked to its timeout, never spinning
+    [claimed] = await big.claim([CHAT], 1, 100, limits={CHAT: 4096})
+    assert claimed.job.id == long.id and claimed.job.need == 3600
+    # no limit (a claimer whose worker does not say its context): anything
+    again = long_job(100_000)
+    await small.enqueue(again)
+    assert [c.job.id for c in await small.claim([CHAT], 1, 100)] == [again.id]
+
+
+async def test_a_job_given_back_needing_more_is_passed_over_by_its_old_claimer(
+    queue: Factory,
+) -> None:
+    """A holder whose llama-server refused the prompt as too long gives the job back needing
+    more: a claimer with as little context passes over it from then on; the need never
+    falls, and the reader hears it (``Requeued.need``)."""
+    small, big = queue("router-small"), queue("router-big")
+    refused = long_job(1500)
+    await small.enqueue(refused)
+    [claimed] = await small.claim([CHAT], 1, 100, limits={CHAT: 2048})
+    assert await small.requeue(claimed, "too long for its context", need=3527)
+    assert await small.claim([CHAT], 1, 100, limits={CHAT: 2048}) == []
+    [again] = await big.claim([CHAT], 1, 100, limits={CHAT: 4096})
+    assert again.job.need == 3527 and again.attempt == 2
+    assert await big.requeue(again, "its worker was lost", need=10)  # not lowered
+    [third] = await big.claim([CHAT], 1, 100, limits={CHAT: 4096})
+    assert third.job.need == 3527
+    requeued: list[Requeued] = []
+    with contextlib.suppress(TimeoutError):  # a job still running has no final event
+        async with asyncio.timeout(1.0):
+            async for delivered in small.events(refused.id, block_ms=100):
+                if isinstance(delivered.event, Requeued):
+                    requeued.append(delivered.event)
+    assert [r.need for r in requeued] == [3527, 10]

@@ -18,11 +18,11 @@ from shoal.protocol.messages import (
     RunningJob,
     decode_router_message,
 )
-from shoal.queue.events import ClientEvent, Failed
+from shoal.queue.events import ClientEvent, Failed, Requeued
 from shoal.router.dispatch.fair_queue import Tenant
 from shoal.router.dispatch.interface import Dispatcher
 from shoal.router.dispatch.job import Job, JobState, Submission
-from shoal.router.errors import QueueFull
+from shoal.router.errors import BadRequest, QueueFull
 from shoal.router.settings import RouterSettings
 from shoal.router.workers import WorkerConnection
 
@@ -239,3 +239,130 @@ def test_a_light_key_pauses_a_heavy_answer_which_goes_on_from_its_tokens(preempt
     assert isinstance(start, JobStart) and start.job_id == other.id
     dispatcher.cancel(heavy[0], "client left")  # its run id is the one cancelled
     assert _frames(worker)[0] == JobCancel(job_id=again.job_id)
+
+
+# ---------------------------------------------------------------- context per slot
+
+
+def sized(dispatcher: Dispatcher, name: str, context: int | None) -> WorkerConnection:
+    """A one-slot worker serving ``M`` with ``context`` tokens per slot (None: unsaid)."""
+    info = ModelInfo(name=M, endpoints=(Endpoint.CHAT,), context_length=context)
+    worker = worker_connection(name, [info])
+    dispatcher.workers.on_registered(worker)
+    return worker
+
+
+def ask(text: str, **extra: object) -> Submission:
+    return Submission(
+        M, Endpoint.CHAT, False, {"messages": [{"role": "user", "content": text}], **extra}
+    )
+
+
+LONG = "word " * 2800  # 14,000 bytes: about 3,500 tokens by the estimate, at least 110
+
+
+def test_a_long_prompt_goes_only_to_a_worker_whose_context_holds_it() -> None:
+    dispatcher = memory_dispatcher()
+    small, big = sized(dispatcher, "small", 2048), sized(dispatcher, "big", 4096)
+    first, second = dispatcher.submit(ask(LONG)), dispatcher.submit(ask(LONG))
+    assert first.worker_id == "big" and first.need == 3502  # (14,004 bytes) / 4, and one
+    assert second.state is JobState.QUEUED  # the small worker is free, but too small
+    short = dispatcher.submit(ask("hi"))
+    assert short.worker_id == "small"  # a short one takes the small worker meanwhile
+    assert started(small) == [short.id] and started(big) == [first.id]
+
+
+def test_a_prompt_refused_as_too_long_goes_to_a_worker_with_more_context() -> None:
+    """The estimate was optimistic (a 1-byte-a-token prompt): llama-server refuses it; the
+    job waits for a worker with the context llama-server counted, and gets it."""
+    dispatcher = memory_dispatcher(RouterSettings(max_requeues=0))
+    small, big = sized(dispatcher, "small", 2048), sized(dispatcher, "big", 4096)
+    busy = dispatcher.submit(ask(LONG))  # takes the big worker
+    digits = dispatcher.submit(ask("7391" * 800))  # 3,200 bytes: about 800 tokens
+    assert busy.worker_id == "big" and digits.worker_id == "small"
+    started(small)
+    error = ErrorBody(message="request (3215 tokens) exceeds", type="exceed_context_size_error")
+    refusal = JobFailed(job_id=digits.id, status=400, error=error, context_needed=3216)
+    dispatcher.workers.on_message(small, refusal)
+    assert digits.state is JobState.QUEUED and digits.need == 3216
+    assert [type(e) for e in _events(digits)] == [Requeued]  # not the client's 400
+    dispatcher.workers.on_message(big, JobDone(job_id=busy.id))
+    assert digits.worker_id == "big" and started(big)[-1] == digits.id
+
+
+def test_a_prompt_refused_by_the_largest_context_gets_the_routers_400() -> None:
+    dispatcher = memory_dispatcher()
+    big = sized(dispatcher, "big", 4096)
+    job = dispatcher.submit(ask("7391" * 1500))  # about 1,500 tokens by the estimate
+    error = ErrorBody(message="request (6015 tokens) exceeds", type="exceed_context_size_error")
+    dispatcher.workers.on_message(
+        big, JobFailed(job_id=job.id, status=400, error=error, context_needed=6016)
+    )
+    [failed] = _events(job)
+    assert isinstance(failed, Failed) and failed.status == 400
+    assert failed.error.code == "context_length_exceeded"
+    assert "the largest holds 4096 tokens" in failed.error.message
+    assert "needs at least 6016" in failed.error.message and "max_tokens" in failed.error.message
+
+
+@pytest.mark.parametrize(
+    ("submission", "param", "detail"),
+    [
+        (ask("hi", max_tokens=5000), "max_tokens", "it asks for 5000 tokens of answer"),
+        (ask("hi", max_completion_tokens=4096), "max_completion_tokens", "4096 tokens"),
+        (ask("x" * 600_000), "messages", "its prompt is at least 4688 tokens"),
+    ],
+)
+def test_a_request_no_worker_could_hold_is_refused_at_once(
+    submission: Submission, param: str, detail: str
+) -> None:
+    dispatcher = memory_dispatcher()
+    sized(dispatcher, "small", 2048)
+    sized(dispatcher, "big", 4096)
+    with pytest.raises(BadRequest) as refused:
+        dispatcher.submit(submission)
+    assert refused.value.param == param and refused.value.code == "context_length_exceeded"
+    assert "the largest holds 4096 tokens" in refused.value.message
+    assert detail in refused.value.message
+    assert not dispatcher.queue_depths().get(M)  # nothing waits
+
+
+def test_a_worker_that_does_not_say_its_context_takes_any_request() -> None:
+    dispatcher = memory_dispatcher()
+    sized(dispatcher, "small", 2048)
+    sized(dispatcher, "attached", None)
+    job = dispatcher.submit(ask("x" * 600_000, max_tokens=5000))
+    assert job.worker_id == "attached"
+
+
+def test_a_non_streamed_answer_failed_retryably_goes_on_from_its_progress() -> None:
+    """``queue.failure``: the progress of a non-streamed answer is kept when its next run
+    finds its backend not serving (it used to run again from the start here, and go on on a
+    pull worker)."""
+    dispatcher = memory_dispatcher()
+    first = connect(dispatcher, "first", (Endpoint.CHAT,))
+    job = dispatcher.submit(Submission(M, Endpoint.CHAT, False, {"messages": []}))
+    dispatcher.workers.on_chunks(first, [(job.id, HEAD, (1, 2, 3))])  # progress only
+    _starts(first)
+    error = ErrorBody(message="llama-server restarting", type="server_error")
+    dispatcher.workers.on_message(
+        first, JobFailed(job_id=job.id, status=503, error=error, retryable=True)
+    )
+    [again] = _starts(first)
+    assert again.resume == Continuation(tokens=(1, 2, 3), id="chatcmpl-1", created=7)
+    assert job.resumes == 1 and job.requeues == 0
+
+
+def test_a_non_streamed_answer_whose_only_worker_is_lost_waits_to_run_again() -> None:
+    """It could go on, but no worker serves its model now: its client has nothing yet, so it
+    waits to run again (a worker may come back within --max-wait) instead of failing."""
+    dispatcher = memory_dispatcher()
+    only = connect(dispatcher, "only", (Endpoint.CHAT,))
+    job = dispatcher.submit(Submission(M, Endpoint.CHAT, False, {"messages": []}))
+    dispatcher.workers.on_chunks(only, [(job.id, HEAD, (1, 2, 3))])  # progress only
+    dispatcher.workers.on_lost(only, "test")
+    assert job.state is JobState.QUEUED and job.requeues == 1
+    assert [type(e) for e in _events(job)] == [Requeued]
+    back = connect(dispatcher, "back", (Endpoint.CHAT,))
+    [again] = _starts(back)
+    assert again.resume is None  # from the start

@@ -200,3 +200,5 @@ def test_positions_count_down_to_the_next_job_and_nothing_is_lost_or_miscounted(
         assert (head is None) == (not waiting)  # work-conserving
         if head is not None:
             assert q.position(head, n) == 0
+        # the order a worker that cannot take the head goes through: the places, in order
+        assert [q.position(job, n) for job in q.ranked(n)] == list(range(len(waiting)))

@@ -13,6 +13,7 @@ from shoal.router.dispatch.scheduler import (
     LOAD_COST_TOKENS,
     MIN_HOLD_TOKENS,
     WorkerLoad,
+    claim_limit,
     expected_reuse,
     hold_for,
     pick_worker,
@@ -209,3 +210,78 @@ def test_hold_for_properties(owned: list[tuple[str, WorkerLoad]]) -> None:
     assert worker.ready and worker.running < worker.slots
     assert expected_reuse(worker, CHAIN) >= MIN_HOLD_TOKENS
     assert hold_for(list(reversed(owned)), M, CHAT, CHAIN) == router
+
+
+# ---------------------------------------------------------------- context per slot
+
+
+def x(id_: str, context: int | None, running: int = 0, slots: int = 1) -> WorkerLoad:
+    """A worker serving ``M`` with ``context`` tokens per slot (None: it does not say)."""
+    contexts = () if context is None else ((M, context),)
+    return WorkerLoad(WorkerId(id_), True, SERVES_M, slots, running, contexts=contexts)
+
+
+@pytest.mark.parametrize(
+    ("workers", "need", "expected"),
+    [
+        ([x("small", 2048), x("big", 4096)], 3600, "big"),  # only the larger one holds it
+        ([x("small", 2048), x("big", 4096, running=1)], 3600, None),  # it waits for it
+        ([x("small", 2048), x("big", 4096)], 2048, "big"),  # both hold it: by id
+        ([x("small", 2048), x("big", 4096, running=1)], 2048, "small"),  # the free one
+        ([x("small", 2048)], 2049, None),
+        ([x("small", 2048), x("attached", None)], 3600, "attached"),  # it may hold anything
+        ([x("small", 2048)], 0, "small"),  # a request that needs no context
+        # another model's context says nothing of this one's
+        (
+            [WorkerLoad(WorkerId("o"), True, SERVES_M, 1, 0, contexts=((ModelName("o"), 99),))],
+            3600,
+            "o",
+        ),
+    ],
+)
+def test_pick_worker_by_context(workers: list[WorkerLoad], need: int, expected: str | None) -> None:
+    assert pick_worker(workers, M, CHAT, (), need) == expected
+
+
+def test_a_job_is_not_held_for_a_worker_too_small_for_it() -> None:
+    small = WorkerLoad(WorkerId("s"), True, SERVES_M, 4, 0, cached=HOT, contexts=((M, 2048),))
+    owned = [("r1", c("a")), ("r2", small)]
+    assert hold_for(owned, M, CHAT, CHAIN) == "r2"
+    assert hold_for(owned, M, CHAT, CHAIN, need=3000) is None  # r1's worker says nothing
+
+
+context_loads = st.builds(
+    x,
+    id_=st.text("abcdef", min_size=1, max_size=3),
+    context=st.one_of(st.none(), st.sampled_from([512, 1024, 2048, 4096])),
+    running=st.integers(0, 2),
+    slots=st.integers(1, 2),
+)
+
+
+@given(st.lists(context_loads, max_size=6, unique_by=lambda w: w.id), st.integers(0, 5000))
+def test_pick_worker_never_sends_a_job_where_its_context_does_not_fit(
+    workers: list[WorkerLoad], need: int
+) -> None:
+    chosen = pick_worker(workers, M, CHAT, (), need)
+    fitting = [w for w in workers if w.running < w.slots and w.fits(M, need)]
+    if not fitting:
+        assert chosen is None  # it waits (or, for no worker at all, the router refused it)
+        return
+    picked = next(w for w in workers if w.id == chosen)
+    assert picked in fitting, "a job goes only where its need fits, and never idles there"
+    assert all(n >= need for _, n in picked.contexts)
+
+
+@pytest.mark.parametrize(
+    ("workers", "expected"),
+    [
+        ([], 0),
+        ([x("small", 2048), x("big", 4096)], 4096),
+        ([x("small", 2048), x("big", 4096, running=1)], 2048),  # free slots only: big waits
+        ([x("small", 2048, running=1), x("big", 4096, running=1)], 4096),  # none free: all
+        ([x("small", 2048), x("attached", None)], 0),  # one that does not say takes any
+    ],
+)
+def test_claim_limit(workers: list[WorkerLoad], expected: int) -> None:
+    assert claim_limit(workers, M, CHAT) == expected

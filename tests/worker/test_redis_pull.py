@@ -64,6 +64,12 @@ def test_claim_plan(backend: BackendState, busy: int, state: PullState, count: i
         assert got.keys == ((M, Endpoint.CHAT), (M, Endpoint.COMPLETIONS))
 
 
+def test_claim_plan_limits_each_claim_to_the_context_of_a_slot() -> None:
+    sized = ModelInfo(name=M, endpoints=(Endpoint.CHAT,), context_length=2048)
+    assert plan_claim([sized], BackendState.READY, 1, 0).limits == {(M, Endpoint.CHAT): 2048}
+    assert plan_claim([CHAT], BackendState.READY, 1, 0).limits == {}  # unsaid: any
+
+
 def test_claim_plan_without_a_model_waits() -> None:
     assert plan_claim([], BackendState.READY, 3, 0).state is PullState.PAUSED
 

@@ -16,7 +16,8 @@ from link_rig import router_link
 from shoal.protocol.ids import JobId
 from shoal.protocol.messages import JobDone, decode_worker_message
 from shoal.protocol.shards import ShardRole, ShardStart, ShardState, ShardStatus
-from shoal.worker.backend import error_from_body, sse_data
+from shoal.worker.backend import sse_data
+from shoal.worker.backend_errors import context_needed, error_from_body
 from shoal.worker.backoff import Backoff
 from shoal.worker.outbox import Outbox, frames
 from shoal.worker.settings import WorkerSettings, router_ws_url
@@ -145,6 +146,31 @@ def test_backend_errors_are_readable() -> None:
     assert (e.message, e.type, e.code) == ("too long", "x", 400)
     e = error_from_body(502, b"<html>bad gateway</html>")
     assert "502" in e.message and "bad gateway" in e.message
+
+
+REFUSED = (
+    b'{"error":{"code":400,"message":"request (631 tokens) exceeds the available context size '
+    b'(512 tokens), try increasing it","type":"exceed_context_size_error","n_prompt_tokens":631,'
+    b'"n_ctx":512}}'
+)
+
+
+@pytest.mark.parametrize(
+    ("status", "raw", "expected"),
+    [
+        (400, REFUSED, 632),  # llama-server's own answer: the prompt's tokens and one
+        (400, REFUSED.replace(b',"n_prompt_tokens":631', b""), 513),  # only the slot's
+        (400, REFUSED.replace(b',"n_prompt_tokens":631,"n_ctx":512', b""), None),
+        (400, b'{"error":{"code":400,"message":"bad","type":"invalid_request_error"}}', None),
+        (500, REFUSED, None),
+        (400, b"not json", None),
+        (400, b'{"error":"exceed_context_size_error"}', None),
+    ],
+)
+def test_a_prompt_too_long_for_the_context_is_told_apart(
+    status: int, raw: bytes, expected: int | None
+) -> None:
+    assert context_needed(status, raw) == expected
 
 
 def test_a_shard_asked_of_a_worker_that_cannot_run_one_fails_with_the_reason() -> None:

@@ -34,8 +34,9 @@ from shoal.protocol.shards import (
 )
 from shoal.protocol.telemetry import GpuSample
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 """Bumped on any incompatible change; a router refuses workers that speak another version.
+10: ``JobFailed.context_needed`` (llama-server refused the prompt as longer than its context).
 9: ``Register``/``Heartbeat.shard_devices`` (each GPU a split model may use), ``ShardStart.devices``
 (the head's ``--device``, a stage's ``-d``), ``DevicePlacement.compute_bytes``.
 8: ``Heartbeat.gpu_telemetry`` (utilization, memory, temperature and power per GPU) and
@@ -270,6 +271,10 @@ class JobFailed(Message):
     """Nothing reached the backend's model (e.g. it was restarting): another worker may run it."""
     resumable: bool = False
     """The backend died mid-answer (not the request's fault): another worker may go on."""
+    context_needed: int | None = Field(None, ge=1)
+    """The backend refused the prompt as longer than its context per slot (llama-server's
+    ``exceed_context_size_error``): the least context that could take it, in tokens (the
+    prompt's as llama-server counted them, and one). A worker with that much may run it."""
 
 
 WorkerMessage = Annotated[

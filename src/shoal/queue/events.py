@@ -14,9 +14,11 @@ Wire form, one JSON object per event (``t`` is the tag)::
     {"t":"failed","status":502,"error":{"message":"...","type":"...","code":"..."}}
     {"t":"assigned","consumer":"w1","attempt":1}  {"t":"requeued","reason":"..."}
     {"t":"assigned","consumer":"w1","attempt":1,"worker":"gpu-1-ab12cd"}
+    {"t":"requeued","reason":"...","need":3527}
 
 ``worker`` is optional: readers that do not know it ignore it, and an event without it (from
-the queue, or an older consumer) names no worker.
+the queue, or an older consumer) names no worker. So is ``need``: the context a job whose
+prompt a worker refused as too long needs from now on.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class Assigned:
 @dataclass(frozen=True, slots=True)
 class Requeued:
     reason: str
+    need: int | None = None
+    """The tokens of context it needs from now on, when a worker's llama-server refused its
+    prompt as too long (the router the client called answers the 400 if no worker has it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,8 +163,15 @@ def encode(event: JobEvent | Trail) -> bytes:
             if worker is not None:
                 obj["worker"] = worker
             return orjson.dumps(obj)
-        case Requeued(reason=reason):
-            return orjson.dumps({"t": "requeued", "reason": reason})
+        case Requeued():
+            return _requeued(event)
+
+
+def _requeued(event: Requeued) -> bytes:
+    requeued: dict[str, object] = {"t": "requeued", "reason": event.reason}
+    if event.need is not None:
+        requeued["need"] = event.need
+    return orjson.dumps(requeued)
 
 
 def decode(raw: bytes | str) -> JobEvent:
@@ -186,5 +198,6 @@ def _from_dict(obj: dict[str, Any]) -> JobEvent:
                 str(obj["consumer"]), int(obj["attempt"]), None if worker is None else str(worker)
             )
         case "requeued":
-            return Requeued(str(obj["reason"]))
+            need = obj.get("need")
+            return Requeued(str(obj["reason"]), None if need is None else int(need))
     raise ValueError(f"unknown event type {obj['t']!r}")

@@ -12,6 +12,12 @@ never waits behind another's claim loop: the consumer it is held for takes it as
 has a free slot (it is woken by the job's arrival, as every claimer is), and when the hold
 ends anyone takes it (a claimer that passed over a hold blocks no longer than the hold has
 left). A job put back in its queue loses its hold.
+
+A claimer also says, per queue, the most context its slots have (``limit``, in tokens; 0:
+any): ``TAKE`` passes over a job that needs more (the job hash's ``need``, from ``ENQUEUE``,
+raised by ``GIVE_BACK`` when a worker's llama-server refused its prompt as too long), which
+waits for a claimer with a slot that holds it. Like a hold, a job passed over costs a
+claimer one look, at most ``HELD_SCAN`` of them per class.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ TAKE = (
     + """
 -- Take up to ARGV[8] waiting jobs for C, without blocking: in each queue the smallest start
 -- tag (interactive and aged batch first), across queues the head that waited longest.
--- ARGV[9]: batch aging in ms. KEYS[1]: the per-key counts; then per queue its six keys
+-- ARGV[9]: batch aging in ms; ARGV[10..]: per queue, the most tokens of context a job taken
+-- may need (0 or none: any). KEYS[1]: the per-key counts; then per queue its six keys
 -- (stream, ready, batch, aging, fair, wake). Returns {jobs taken, per queue the last
 -- wake-up id, ms until the first hold passed over ends (0: none)}: a claimer that got
 -- nothing blocks on the wake streams from those ids, for at most those ms.
@@ -32,7 +39,8 @@ local now = now_ms()
 local qs = {}
 for i = 2, #KEYS, 6 do
   local Q = {q = KEYS[i], ready = KEYS[i + 1], batch = KEYS[i + 2], aging = KEYS[i + 3],
-             fair = KEYS[i + 4], wake = KEYS[i + 5]}
+             fair = KEYS[i + 4], wake = KEYS[i + 5],
+             limit = tonumber(ARGV[10 + (i - 2) / 6] or '0')}
   if redis.call('EXISTS', Q.q) == 0 then
     redis.call('XGROUP', 'CREATE', Q.q, G, '$', 'MKSTREAM')
   end
@@ -42,8 +50,8 @@ end
 
 -- the next job of a queue C may take; members whose job expired are forgotten with their
 -- count. A job held for another consumer (its fields ``for`` and ``until``) is passed over
--- until its hold ends, at most HELD_SCAN of them per class; `soonest` is when the first of
--- those holds ends.
+-- until its hold ends, and one that needs more context than the queue's limit for good, at
+-- most HELD_SCAN of them per class; `soonest` is when the first of those holds ends.
 local HELD_SCAN, soonest = 32, nil
 local function head(Q)
   for cls, z in ipairs({Q.ready, Q.batch}) do
@@ -53,14 +61,16 @@ local function head(Q)
       if #r == 0 then break end
       local m = r[1]
       local id, who = string.match(m, '^%d+:([^:]+):(.*)$')
-      local f = redis.call('HMGET', JP .. id, 'state', 'member', 'since', 'tag', 'for', 'until')
+      local f = redis.call('HMGET', JP .. id, 'state', 'member', 'since', 'tag', 'for', 'until',
+                           'need')
       if f[1] == 'waiting' and f[2] == m then
         local ends = tonumber(f[6] or '0')
-        if not f[5] or f[5] == C or ends <= now then
+        local fits = Q.limit <= 0 or tonumber(f[7] or '0') <= Q.limit
+        if fits and (not f[5] or f[5] == C or ends <= now) then
           return {cls = cls - 1, since = tonumber(f[3]), tag = tonumber(f[4]), m = m, id = id,
                   who = who}
         end
-        if soonest == nil or ends < soonest then soonest = ends end
+        if fits and (soonest == nil or ends < soonest) then soonest = ends end
         skip = skip + 1
       else
         redis.call('ZREM', Q.ready, m)

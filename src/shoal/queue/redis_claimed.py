@@ -111,13 +111,14 @@ class Leases:
     def claimed(self, row: Sequence[Any]) -> Claimed:
         """The job a script handed this consumer, from its start fields (``TAKE``,
         ``RECLAIM``, ``ADOPT``)."""
-        job_id, _, entry_id, attempt, model, endpoint, stream, body, seq, resume = row
+        job_id, _, entry_id, attempt, model, endpoint, stream, body, seq, resume, need = row
         job = QueuedJob(
             id=JobId(text(job_id)),
             model=ModelName(text(model)),
             endpoint=Endpoint(text(endpoint)),
             stream=text(stream) == "1",
             body=orjson.loads(body),
+            need=int(text(need) or 0),
         )
         claimed = Claimed(job, text(entry_id), int(attempt), self, seq=int(text(seq)))
         if text(resume):
@@ -166,9 +167,9 @@ class Leases:
         (code,) = await self.calls.run("ACK", [], args)
         return bool(code == 1)
 
-    async def requeue(self, claimed: Claimed, reason: str) -> bool:
+    async def requeue(self, claimed: Claimed, reason: str, need: int = 0) -> bool:
         args: list[EncodableT] = [claimed.job.id, claimed.entry_id]
-        args.append(events.encode(Requeued(reason)))
+        args += [events.encode(Requeued(reason, need or None)), need]
         code = int(await self.calls.run("GIVE_BACK", [], args))
         log.info("job %s requeued by %s: %s (code %d)", claimed.job.id, self.consumer, reason, code)
         return code == 1
@@ -192,6 +193,6 @@ class Leases:
         row = await self.calls.run("ADOPT", [], [job_id, attempt])
         if row is None:
             return None
-        claimed = self.claimed(row[:10])
-        claimed.answer = answer_of_trail(*(text(v) for v in row[10:13]))
+        claimed = self.claimed(row[:11])
+        claimed.answer = answer_of_trail(*(text(v) for v in row[11:14]))
         return claimed

@@ -39,11 +39,13 @@ SWEEP_EVERY_LEASES = 0.5  # sweep for dead holders twice per lease
 @dataclass(frozen=True, slots=True)
 class GiveBack:
     """Put a job that published nothing back in its queue; or, with ``resume``, one that
-    answered in part, to go on from there."""
+    answered in part, to go on from there. ``need``: the tokens of context it needs from now
+    on (its prompt was refused as too long), when more than before."""
 
     claimed: Claimed
     reason: str
     resume: Continuation | None = None
+    need: int = 0
 
 
 Outgoing = tuple[Claimed, events.Published] | GiveBack
@@ -128,7 +130,7 @@ class ConsumerLoops:
 
     async def _give_back(self, item: GiveBack) -> bool:
         if item.resume is None:
-            return await self.queue.requeue(item.claimed, item.reason)
+            return await self.queue.requeue(item.claimed, item.reason, item.need)
         return await self.queue.go_on(item.claimed, item.reason, item.resume)
 
     async def _lost_lease(self, job_id: JobId, lease: Lease) -> None:

@@ -208,11 +208,16 @@ GIVE_BACK = (
     PRELUDE
     + """
 -- C puts a job it holds back in its queue (first in its class). ARGV[8] job id, ARGV[9] entry,
--- ARGV[10] the Requeued event. Returns 1 requeued, 0 not C's job, -1 it already answered.
+-- ARGV[10] the Requeued event, ARGV[11] the tokens of context it needs from now on, if more
+-- than before (its prompt was refused as too long). Returns 1 requeued, 0 not C's job, -1 it
+-- already answered.
 local id, entry = ARGV[8], ARGV[9]
-local f = redis.call('HMGET', JP .. id, 'state', 'owner', 'entry', 'queue', 'started')
+local f = redis.call('HMGET', JP .. id, 'state', 'owner', 'entry', 'queue', 'started', 'need')
 if f[1] ~= 'running' or f[2] ~= C or f[3] ~= entry then return 0 end
 if f[5] == '1' then return -1 end
+if tonumber(ARGV[11]) > tonumber(f[6] or '0') then
+  redis.call('HSET', JP .. id, 'need', ARGV[11])
+end
 requeue(f[4], entry, id)
 emit(id, ARGV[10])
 return 1
@@ -251,7 +256,7 @@ if #redis.call('XCLAIM', q, G, C, 0, entry, 'JUSTID') ~= 1 then return nil end
 redis.call('HSET', JP .. id, 'owner', C)
 local t = redis.call('HMGET', JP .. id, 'ids', 'exact', 'head')
 return {id, q, entry, tonumber(f[4]), f[5], f[6], f[7], f[8], f[9], f[11] or '',
-        t[1] or '', t[2] or '', t[3] or ''}
+        f[12] or '0', t[1] or '', t[2] or '', t[3] or ''}
 """
 )
 

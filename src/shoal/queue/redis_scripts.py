@@ -145,7 +145,7 @@ local function requeue(q, entry, id)
 end
 
 local FIELDS = {'state', 'entry', 'owner', 'attempt', 'model', 'endpoint', 'stream', 'body',
-                'seq', 'started', 'resume'}
+                'seq', 'started', 'resume', 'need'}
 
 -- hand a job to consumer C; nil if the entry is stale (job ended, cancelled, moved, expired)
 local function start(q, entry, id, reclaiming)
@@ -155,7 +155,7 @@ local function start(q, entry, id, reclaiming)
   local attempt = tonumber(f[4])
   if f[1] == 'running' and not reclaiming then
     if f[3] == C then  -- ours already: a re-sent call
-      return {id, q, entry, attempt, f[5], f[6], f[7], f[8], f[9], f[11] or ''}
+      return {id, q, entry, attempt, f[5], f[6], f[7], f[8], f[9], f[11] or '', f[12] or '0'}
     end
     return nil  -- taken over by another consumer while this call was delayed: theirs now
   end
@@ -166,7 +166,7 @@ local function start(q, entry, id, reclaiming)
   attempt = attempt + 1
   redis.call('HSET', j, 'state', 'running', 'owner', C, 'attempt', attempt)
   emit(id, cjson.encode({t = 'assigned', consumer = C, attempt = attempt}))
-  return {id, q, entry, attempt, f[5], f[6], f[7], f[8], f[9], f[11] or ''}
+  return {id, q, entry, attempt, f[5], f[6], f[7], f[8], f[9], f[11] or '', f[12] or '0'}
 end
 
 local function job_of(fields)
@@ -183,7 +183,8 @@ ENQUEUE = (
 -- KEYS: job hash, queue stream, queue registry, ready, batch, aging, fair, wake, per-key
 -- counts. ARGV[8..]: max_len, job ttl, model, endpoint, stream flag, body, job id, key,
 -- weight, class, work, mode (fair|fifo), the key's max_queued (-1: none), the consumer it
--- is held for ('' none) and for how many ms (``redis_claim``).
+-- is held for ('' none) and for how many ms (``redis_claim``), the tokens of context it
+-- needs (0: any).
 -- Returns {1 added | 0 duplicate | -1 queue full | -2 key over its cap, depth or its count}.
 local depth = redis.call('XLEN', KEYS[2]) + redis.call('ZCARD', KEYS[4])
               + redis.call('ZCARD', KEYS[5])
@@ -198,7 +199,7 @@ redis.call('HSET', KEYS[1], 'model', ARGV[10], 'endpoint', ARGV[11], 'stream', A
            'body', ARGV[13], 'queue', KEYS[2], 'ready', KEYS[4], 'batch', KEYS[5],
            'aging', KEYS[6], 'fair', KEYS[7], 'wake', KEYS[8], 'kw', KEYS[9],
            'tenant', who, 'weight', ARGV[16], 'prio', ARGV[17], 'work', ARGV[18],
-           'mode', ARGV[19], 'attempt', 0, 'seq', 0,
+           'mode', ARGV[19], 'attempt', 0, 'seq', 0, 'need', ARGV[23],
            'created', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
 if ARGV[21] ~= '' then
   redis.call('HSET', KEYS[1], 'for', ARGV[21], 'until', now_ms() + tonumber(ARGV[22]))

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -168,6 +168,7 @@ class RedisJobQueue:
         args += [share.tenant, repr(float(share.weight)), "batch" if share.batch else "interactive"]
         args += [repr(float(share.work)), "fair" if share.fair else "fifo"]
         args += [-1 if share.max_queued is None else share.max_queued, *(hold or ("", 0))]
+        args.append(job.need)
         code, depth = await self.calls.run("ENQUEUE", keys, args)
         if code == -1:
             raise QueueFull(job.model, job.endpoint, int(depth), self.max_len)
@@ -291,10 +292,13 @@ class RedisJobQueue:
         keys: Sequence[tuple[ModelName, Endpoint]],
         count: int,
         block_ms: int | None = None,
+        limits: Mapping[tuple[ModelName, Endpoint], int] | None = None,
     ) -> list[Claimed]:
         """Take up to ``count`` waiting jobs from these queues: in each, by start tag
         (interactive and aged batch work first); across queues, the head that waited
-        longest.
+        longest. ``limits``: per queue, the most tokens of context a job taken may need (the
+        claimer's largest slot; 0 or none: any), so a job whose prompt no slot of the
+        claimer's holds waits for one that does.
 
         Waits up to ``block_ms`` (0: not at all) for one to arrive; an empty list means none
         came. A claim cancelled while its script runs may leave jobs taken for this consumer
@@ -303,11 +307,13 @@ class RedisJobQueue:
         raise_if_cancelled()
         if count <= 0 or not keys:
             return []
-        queues = [self.keys.queue_keys(m, e) for m, e in dict.fromkeys(keys)]
+        pairs = list(dict.fromkeys(keys))
+        queues = [self.keys.queue_keys(m, e) for m, e in pairs]
+        most = [(limits or {}).get(pair, 0) for pair in pairs]
         block = self.block_ms if block_ms is None else block_ms
         deadline = time.monotonic() + block / 1000
         while True:
-            taken, cursors, held_ms = await self._take(queues, count)
+            taken, cursors, held_ms = await self._take(queues, count, most)
             left_ms = int((deadline - time.monotonic()) * 1000)
             if held_ms > 0:  # a job held for another consumer is ours once its hold ends
                 left_ms = min(left_ms, held_ms)
@@ -317,10 +323,11 @@ class RedisJobQueue:
         return [self._leases.claimed(row) for row in taken]
 
     async def _take(
-        self, queues: Sequence[QueueKeys], count: int
+        self, queues: Sequence[QueueKeys], count: int, limits: Sequence[int] = ()
     ) -> tuple[list[Any], list[str], int]:
         keys = [self.keys.key_waiting] + [k for q in queues for k in q.all()]
-        taken, cursors, held_ms = await self.calls.run("TAKE", keys, [count, self.batch_aging_ms])
+        args: list[EncodableT] = [count, self.batch_aging_ms, *limits]
+        taken, cursors, held_ms = await self.calls.run("TAKE", keys, args)
         return list(taken), [text(c) for c in cursors], int(held_ms)
 
     async def _wait_wake(self, queues: Sequence[QueueKeys], cursors: list[str], ms: int) -> bool:
@@ -362,13 +369,15 @@ class RedisJobQueue:
         """
         return await self._leases.ack(claimed)
 
-    async def requeue(self, claimed: Claimed, reason: str) -> bool:
-        """Give a held job back to its queue (first in its class) for another consumer to run.
+    async def requeue(self, claimed: Claimed, reason: str, need: int = 0) -> bool:
+        """Give a held job back to its queue (first in its class) for another consumer to run;
+        ``need``: the tokens of context it needs from now on, when more than before (its
+        prompt was refused as too long: only a claimer with that much takes it).
 
         False if it had already published output (publish ``Failed`` instead) or is no
         longer this consumer's.
         """
-        return await self._leases.requeue(claimed, reason)
+        return await self._leases.requeue(claimed, reason, need)
 
     async def go_on(self, claimed: Claimed, reason: str, resume: Continuation) -> bool:
         """Give back a held job that answered in part, to go on from ``resume`` on the next

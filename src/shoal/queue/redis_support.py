@@ -187,6 +187,10 @@ class QueuedJob:
     endpoint: Endpoint
     stream: bool
     body: Mapping[str, Any]
+    need: int = 0
+    """The tokens of context a claimer's slot must have to be given it (0: any). A claim
+    passes over a job that needs more than its limit (``redis_claim``); a holder whose
+    llama-server refused the prompt as too long gives it back needing more (``requeue``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from shoal.protocol.messages import (
 )
 from shoal.protocol.telemetry import GpuSample
 from shoal.router.dispatch.job import Job
-from shoal.router.dispatch.scheduler import WorkerLoad
+from shoal.router.dispatch.scheduler import WorkerLoad, contexts_of
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +184,7 @@ class WorkerConnection:
             running=len(self.running),
             last_assigned=self.last_assigned,
             cached=self.cached,
+            contexts=contexts_of(self.models),
         )
 
     def summary(self) -> dict[str, object]:

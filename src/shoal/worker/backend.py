@@ -29,6 +29,7 @@ from shoal.protocol.messages import (
     JobStart,
 )
 from shoal.worker import loopback
+from shoal.worker.backend_errors import context_needed, error_from_body
 from shoal.worker.continuation import (
     NotResumable,
     Splice,
@@ -68,25 +69,6 @@ class BackendTarget:
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         return headers
-
-
-def error_from_body(status: int, raw: bytes) -> ErrorBody:
-    """The backend's error object, or a readable stand-in when it sent something else."""
-    try:
-        payload = orjson.loads(raw)
-        err = payload.get("error") if isinstance(payload, dict) else None
-        if isinstance(err, dict):
-            return ErrorBody(
-                message=str(err.get("message", "backend error")),
-                type=str(err.get("type", "server_error")),
-                code=err.get("code") if isinstance(err.get("code"), str | int) else None,
-            )
-        if isinstance(err, str):
-            return ErrorBody(message=err, type="server_error")
-    except orjson.JSONDecodeError:
-        pass
-    text = raw.decode(errors="replace").strip()[:500] or f"HTTP {status}"
-    return ErrorBody(message=f"backend answered {status}: {text}", type="server_error")
 
 
 async def sse_data(content: aiohttp.StreamReader) -> AsyncIterator[list[str]]:
@@ -237,6 +219,7 @@ class Backend:
                     job_id=job.job_id,
                     status=resp.status,
                     error=error_from_body(resp.status, raw),
+                    context_needed=context_needed(resp.status, raw),
                 )
             )
         elif self._collects(job):

@@ -15,9 +15,14 @@ PAUSED wait on an event (a job ended, the backend or models changed), never poll
 runs in the ``JobRunner``; its output comes back here (this class is its ``JobSink``) and is
 published in one round trip per batch (whatever piled up while the previous publish was in
 flight). Leases are renewed every ``renew_interval_s``; cancellations stop the job in the
-runner. A retryable failure of a job that published nothing goes back to its queue for any
-worker to run. A periodic ``sweep`` puts back the jobs of holders that died (a killed pull
-worker, a dead router). Publishing, renewals, cancellations and sweeps are
+runner. A job whose run fails here runs again, goes on elsewhere from what its client has,
+waits for a worker with more context or fails, as ``queue.failure.after_failure`` says (the
+rule a router follows for its own workers): given back to its queue for any worker, or
+failed with its error. A job is claimed only when its need (``QueuedJob.need``) fits this worker's
+context per slot (the claim's ``limits``); one whose prompt llama-server refused anyway as
+too long goes back needing more, for a worker with a larger context (the client's router
+answers the 400 if there is none). A periodic ``sweep`` puts back the jobs of holders that
+died (a killed pull worker, a dead router). Publishing, renewals, cancellations and sweeps are
 ``queue.redis_consumer.ConsumerLoops``, shared with the router's ``Holder``.
 
 Its entry in the worker list (``redis_presence``) names its consumer and what its slots hold,
@@ -46,7 +51,6 @@ import redis.asyncio as aioredis
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import (
     BackendState,
-    Continuation,
     Endpoint,
     JobDone,
     JobFailed,
@@ -57,6 +61,7 @@ from shoal.protocol.messages import (
 )
 from shoal.queue import events
 from shoal.queue.answer import AnswerSoFar, trail_of
+from shoal.queue.failure import Next, Sent, after_failure, failure_of
 from shoal.queue.redis_claimed import Claimed
 from shoal.queue.redis_consumer import ConsumerLoops, GiveBack, Outgoing
 from shoal.queue.redis_streams import LEASE_MS, RedisJobQueue
@@ -103,18 +108,23 @@ ALLOWED: dict[PullState, frozenset[PullState]] = {
 
 @dataclass(frozen=True, slots=True)
 class ClaimPlan:
-    """What the claim loop does next: claim ``count`` jobs of ``keys``, or wait (``state``)."""
+    """What the claim loop does next: claim ``count`` jobs of ``keys``, or wait (``state``);
+    ``limits``: the most context a job of each key may need (its model's context per slot;
+    absent: any)."""
 
     state: PullState
     keys: tuple[tuple[ModelName, Endpoint], ...] = ()
     count: int = 0
     why: str = ""
+    limits: dict[tuple[ModelName, Endpoint], int] = field(default_factory=dict)
 
 
 def plan_claim(
     models: Iterable[ModelInfo], backend: BackendState, slots: int, busy: int
 ) -> ClaimPlan:
-    """Claim for every (model, endpoint) served, as many jobs as slots are free."""
+    """Claim for every (model, endpoint) served, as many jobs as slots are free, each no
+    longer than a slot holds."""
+    models = tuple(models)
     keys = tuple(sorted({(m.name, e) for m in models for e in m.endpoints}))
     if backend not in _TAKES_JOBS:
         return ClaimPlan(PullState.PAUSED, why=f"(backend {backend})")
@@ -122,7 +132,10 @@ def plan_claim(
         return ClaimPlan(PullState.PAUSED, why="(no model yet)")
     if busy >= slots:
         return ClaimPlan(PullState.FULL, why=f"({busy}/{slots} slots busy)")
-    return ClaimPlan(PullState.CLAIMING, keys, slots - busy, f"({slots - busy} free slot(s))")
+    limits = {(m.name, e): m.context_length for m in models for e in m.endpoints}
+    known = {key: n for key, n in limits.items() if n is not None}
+    free = slots - busy
+    return ClaimPlan(PullState.CLAIMING, keys, free, f"({free} free slot(s))", known)
 
 
 def consumer_name(worker_id: str) -> str:
@@ -273,7 +286,7 @@ class RedisPuller:
                 await self._sleep_until_woken()
                 continue
             try:
-                claimed = await self.queue.claim(plan.keys, plan.count)
+                claimed = await self.queue.claim(plan.keys, plan.count, limits=plan.limits)
             except REDIS_DOWN as exc:
                 self.queue.outage.failed("claim", exc)
                 delay = self.backoff.delay(attempt)
@@ -358,31 +371,50 @@ class RedisPuller:
                 self._send((held.claimed, events.Done()))
             case JobResult(body=body):
                 self._send((held.claimed, events.Result(body)))
-            case JobFailed(retryable=True, error=error) if self._may_run_again(held):
-                self._send(GiveBack(held.claimed, f"worker {self.worker_id}: {error.message}"))
-            case JobFailed(error=error) if resume := self._continuation(held, message):
-                why = f"worker {self.worker_id}: {error.message}"
-                log.warning(
-                    "job %s model=%s: %s; going on elsewhere after %d tokens",
-                    message.job_id,
-                    held.claimed.job.model,
-                    why,
-                    len(resume.tokens),
-                )
-                self._send(GiveBack(held.claimed, why, resume))
-            case JobFailed(status=status, error=error):
-                self._send((held.claimed, events.Failed(status, error)))
+            case JobFailed():
+                self._failed(held, message)
 
-    def _may_run_again(self, held: Held) -> bool:
-        return not held.answer.started and held.claimed.attempt <= self.max_requeues
-
-    def _continuation(self, held: Held, failed: JobFailed) -> Continuation | None:
-        """Its backend died mid-answer: what another worker needs to go on, if it may."""
-        if not (failed.resumable or failed.retryable):
-            return None
-        job = held.claimed.job
-        resumes = held.claimed.resumes
-        return held.answer.continuation(job.endpoint, resumes, self.resume_attempts)
+    def _failed(self, held: Held, failed: JobFailed) -> None:
+        """Do with a job whose run failed here what ``queue.failure.after_failure`` says
+        (the rule a router follows for its workers too)."""
+        claimed, answer = held.claimed, held.answer
+        job = claimed.job
+        why = f"worker {self.worker_id}: {failed.error.message}"
+        sent = Sent.of(answer, job.endpoint, job.stream, claimed.attempt, claimed.resumes)
+        step = after_failure(failure_of(failed), sent, self.max_requeues, self.resume_attempts)
+        if step is Next.GO_ON:
+            resume = answer.continuation(job.endpoint, claimed.resumes, self.resume_attempts)
+            assert resume is not None  # ``after_failure`` goes on only where it can
+            log.warning(
+                "job %s model=%s: %s; going on elsewhere after %d tokens",
+                job.id,
+                job.model,
+                why,
+                len(resume.tokens),
+            )
+            self._send(GiveBack(claimed, why, resume))
+        elif step is Next.RUN_AGAIN:
+            self._send(GiveBack(claimed, why))
+        elif step is Next.WAIT_FOR_CONTEXT:
+            need = max(job.need, failed.context_needed or 0)
+            log.info(
+                "job %s model=%s: pull worker %s has too little context for its prompt; it "
+                "needs %d tokens",
+                job.id,
+                job.model,
+                self.worker_id,
+                need,
+            )
+            self._send(GiveBack(claimed, why, need=need))
+        else:
+            log.warning(
+                "job %s model=%s failed on pull worker %s: %s",
+                job.id,
+                job.model,
+                self.worker_id,
+                why,
+            )
+            self._send((claimed, events.Failed(failed.status, failed.error)))
 
     def _send(self, item: Outgoing) -> None:
         self.loops.send(item)

@@ -16,7 +16,8 @@
 * ``output.py``: outcome events reaching the waiting request; first-token and inter-token
   timings.
 * ``answers.py``: the 404/400/503/429 answers and the ``--max-wait`` rule.
-* ``scheduler.py``: which worker takes a job (pure).
+* ``scheduler.py``: which worker takes a job (pure); ``need.py``: the context a job needs in
+  a worker's slot, from its body (pure).
 * ``holder.py``, ``directory.py``: with Redis, the claims for this router's workers and the
   list of every router's workers.
 """

@@ -2,6 +2,8 @@
 
 A model is looked for among this router's workers and, with Redis, every other router's
 (``remote``): a router whose own workers serve nothing still answers from the cluster's view.
+So is the context its workers' slots have (``context_need``): a request none of them could
+hold is refused here, before it waits (``need.py`` says how that is known without tokens).
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from shoal.protocol.ids import ModelName
-from shoal.protocol.messages import Endpoint
+from shoal.protocol.messages import Endpoint, ErrorBody
+from shoal.router.dispatch import need
 from shoal.router.dispatch.directory import RemoteWorker
-from shoal.router.dispatch.job import Job, JobState
+from shoal.router.dispatch.job import Job, JobState, Submission
 from shoal.router.errors import BadRequest, ModelNotFound, QueueFull, Unavailable
 from shoal.router.workers import Registry
 
@@ -68,6 +71,68 @@ def check_served(
     if any(r.serves(model, endpoint) for r in others):
         return
     raise unsupported_endpoint(model, endpoint)
+
+
+def contexts(
+    model: ModelName, endpoint: Endpoint, registry: Registry, remote: Sequence[RemoteWorker]
+) -> list[int | None]:
+    """The context per slot of every worker serving ``model`` for ``endpoint``, here and
+    (with Redis) at every other router; None where a worker does not say."""
+    local = [m.context_length for _, m in registry.model_info(model) if endpoint in m.endpoints]
+    others = [
+        m.context_length
+        for r in remote
+        for m in r.models
+        if m.name == model and endpoint in m.endpoints
+    ]
+    return local + others
+
+
+def context_need(ask: Submission, registry: Registry, remote: Sequence[RemoteWorker]) -> int:
+    """The tokens of context a worker's slot must have to be given ``ask`` (``need.tokens``);
+    raise the 400 when certainly no worker serving its model has them."""
+    model, endpoint = ask.model, ask.endpoint
+    want = need.need_of(endpoint, ask.body)
+    most = need.largest(contexts(model, endpoint, registry, remote))
+    if most is None or not need.refused(want, most):
+        return need.tokens(want, most)
+    if want.output_field is not None and want.output >= most:
+        detail = f"it asks for {want.output} tokens of answer ({want.output_field})"
+        param = want.output_field
+    else:
+        prompt = want.floor - max(want.output, 1)
+        asked = f" and asks for {want.output} of answer" if want.output_field else ""
+        detail = f"its prompt is at least {prompt} tokens{asked}"
+        param = need.prompt_field(endpoint)
+    raise BadRequest(context_exceeded(model, most, detail), param=param, code=CONTEXT)
+
+
+def too_long(
+    job: Job, tokens: int, registry: Registry, remote: Sequence[RemoteWorker]
+) -> ErrorBody | None:
+    """The 400 for a job whose prompt a worker's llama-server refused as longer than its
+    context, when no worker serving its model has the ``tokens`` it needs now (at least its
+    prompt as llama-server counted it, and one); None when one has (or one does not say)."""
+    most = need.largest(contexts(job.model, job.endpoint, registry, remote))
+    if most is None or tokens <= most:
+        return None
+    detail = f"this one needs at least {tokens} (its prompt as the model counts it, and its answer)"
+    message = context_exceeded(job.model, most, detail)
+    return ErrorBody(message=message, type="invalid_request_error", code=CONTEXT)
+
+
+CONTEXT = "context_length_exceeded"
+"""The code of a request longer than any context (OpenAI's name for it)."""
+
+
+def context_exceeded(model: ModelName, most: int, detail: str) -> str:
+    """Why a request fits no worker serving ``model`` (``most``: the largest context per
+    slot there is); ``detail`` says what it needs."""
+    return (
+        f"This request does not fit the context of any worker serving model {model!r}: "
+        f"the largest holds {most} tokens per request, prompt and answer together, and "
+        f"{detail}. Shorten the prompt, or lower max_tokens so that both fit."
+    )
 
 
 def queue_full(model: ModelName, max_queue: int) -> QueueFull:

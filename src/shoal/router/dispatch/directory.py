@@ -40,7 +40,7 @@ from shoal.queue.redis_support import (
     raise_if_cancelled,
     text,
 )
-from shoal.router.dispatch.scheduler import WorkerLoad, hold_for
+from shoal.router.dispatch.scheduler import WorkerLoad, contexts_of, hold_for
 from shoal.router.workers import Registry
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,7 @@ class RemoteWorker:
             slots=int(self.summary.get("slots", 0)),
             running=int(self.summary.get("running_jobs", 0)),
             cached=self.cached,
+            contexts=contexts_of(self.models),
         )
 
 
@@ -154,13 +155,15 @@ class WorkerDirectory:
         ``PUSH_GAP_S`` of the last sync (several changes share one)."""
         self._changed.set()
 
-    def hold_for(self, model: ModelName, endpoint: Endpoint, prefix: tuple[int, ...]) -> str | None:
+    def hold_for(
+        self, model: ModelName, endpoint: Endpoint, prefix: tuple[int, ...], need: int = 0
+    ) -> str | None:
         """The consumer (a router, or a pull worker) whose worker should run a job with
-        ``prefix`` (``scheduler.hold_for``), over this router's workers as they are and the
-        others as of the last sync (``RemoteWorker.claimer``)."""
+        ``prefix`` and ``need`` (``scheduler.hold_for``), over this router's workers as they
+        are and the others as of the last sync (``RemoteWorker.claimer``)."""
         owned = [(self.router, w.load()) for w in self._registry]
         owned += [(c, r.load()) for r in self.remote if (c := r.claimer) is not None]
-        return hold_for(owned, model, endpoint, prefix)
+        return hold_for(owned, model, endpoint, prefix, need)
 
     async def run(self) -> None:
         delay = self._interval_s

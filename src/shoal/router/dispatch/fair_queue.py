@@ -180,8 +180,14 @@ class FairQueue(Generic[J]):
                 best, best_rank = lane[0], rank
         return None if best is None else best.job
 
+    def ranked(self, now: float) -> list[J]:
+        """Every waiting job, in the order they would be dispatched (``peek`` is the first):
+        for a worker that cannot take the head (too little context), the next it can."""
+        return [w.job for w in sorted(self._where.values(), key=lambda w: self._rank(w, now))]
+
     def pop(self, job: J) -> None:
-        """``job`` (from ``peek``) was dispatched: it leaves and the virtual time moves on."""
+        """``job`` (from ``peek`` or ``ranked``) was dispatched: it leaves and the virtual
+        time moves on."""
         w = self._take(job)
         self._v = max(self._v, w.start)
         self._forget_idle()

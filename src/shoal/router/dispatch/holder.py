@@ -13,8 +13,12 @@ loops (publishing, renewals, cancellations, sweeps) are
 ``queue.redis_consumer.ConsumerLoops``, the same a pull-mode worker runs; this class says
 what it holds and how to stop a job.
 
-A retryable failure, or a lost worker, puts a job that published nothing back in its queue
-(another worker anywhere runs it); a job that had answered in part fails with a 502. A
+A job whose run failed, or whose worker was lost, goes back to its queue to run again or to
+go on from what its client has (another worker anywhere takes it), or fails, as
+``queue.failure.after_failure`` says (``Running`` applies it, as a pull worker does). A job
+whose prompt a worker's llama-server refused as too long goes back needing more context:
+only a claimer with a slot that holds it takes it (the claim's ``limits``, one per pair
+served: ``scheduler.claim_limit``). A
 periodic ``sweep`` puts back the jobs of holders that died (another router, or this one
 before a restart), so they run again. New (model, endpoint) pairs are claimed from the next
 blocking read on (at most ``block_ms`` later).
@@ -43,6 +47,7 @@ from shoal.queue.redis_streams import RedisJobQueue
 from shoal.queue.redis_support import REDIS_DOWN, raise_if_cancelled
 from shoal.router.dispatch.job import Job
 from shoal.router.dispatch.running import Running
+from shoal.router.dispatch.scheduler import claim_limit
 from shoal.router.metrics import Metrics
 from shoal.router.workers import Registry, WorkerConnection
 
@@ -80,26 +85,35 @@ class Holder:
 
     # ------------------------------------------------------------ claiming
 
-    def claimable(self) -> tuple[list[tuple[ModelName, Endpoint]], int]:
-        """The pairs this router's workers serve, and how many more jobs they can take."""
+    def claimable(
+        self,
+    ) -> tuple[list[tuple[ModelName, Endpoint]], int, dict[tuple[ModelName, Endpoint], int]]:
+        """The pairs this router's workers serve, how many more jobs they can take, and the
+        most context a job of each pair may need (``scheduler.claim_limit``)."""
         keys: set[tuple[ModelName, Endpoint]] = set()
         free = 0
         for w in self.registry:
             if w.available:
                 keys |= w.served
                 free += max(w.slots - len(w.running), 0)
-        return sorted(keys), free - len(self._unplaced)
+        loads = [w.load() for w in self.registry]
+        limits = {key: claim_limit(loads, *key) for key in keys}
+        return sorted(keys), free - len(self._unplaced), limits
 
     def kick(self) -> None:
         """A slot may have freed or a worker joined: place waiting jobs, claim more.
 
-        A claimed job that no worker here serves any more (it left) goes back to Redis.
+        A claimed job that no worker here serves any more (it left), or none with the
+        context it needs, goes back to Redis.
         """
-        served = {key for w in self.registry if w.available for key in w.served}
+        loads = [w.load() for w in self.registry if w.available]
         for _ in range(len(self._unplaced)):
             claimed = self._unplaced.popleft()
-            if (claimed.job.model, claimed.job.endpoint) not in served:
+            job = claimed.job
+            if not any((job.model, job.endpoint) in w.models for w in loads):
                 self.loops.send(GiveBack(claimed, "no worker of this router serves it any more"))
+            elif not any(w.fits(job.model, job.need) for w in loads):
+                self.loops.send(GiveBack(claimed, "no worker of this router has its context"))
             elif not self._place(claimed):
                 self._unplaced.append(claimed)
         self._capacity.set()
@@ -108,13 +122,13 @@ class Holder:
         delay = self.queue.renew_interval_s
         while True:
             raise_if_cancelled()
-            keys, free = self.claimable()
+            keys, free, limits = self.claimable()
             if free <= 0 or not keys:
                 self._capacity.clear()
                 await self._capacity.wait()
                 continue
             try:
-                claimed = await self.queue.claim(keys, free)
+                claimed = await self.queue.claim(keys, free, limits=limits)
             except REDIS_DOWN as exc:
                 self.queue.outage.failed("claim", exc)  # logged once per outage
                 await asyncio.sleep(delay)
@@ -128,6 +142,7 @@ class Holder:
         qjob = claimed.job
         job = Job(id=qjob.id, model=qjob.model, endpoint=qjob.endpoint, stream=qjob.stream, body={})
         job.resumes = claimed.resumes
+        job.need = qjob.need
         if not self.running.place(claimed, job, dict(qjob.body), claimed.attempt, claimed.resume):
             return False
         self.loops.send((claimed, Assigned(self.queue.consumer, claimed.attempt, job.worker_id)))
@@ -200,6 +215,11 @@ class Holder:
 
     def run_again(self, ticket: Claimed, why: str) -> None:
         self.loops.send(GiveBack(ticket, why))
+
+    def wait_for_context(self, ticket: Claimed, need: int, why: str) -> None:
+        """Back to Redis needing ``need`` tokens of context: only a claimer with a slot that
+        holds them takes it; the client's router answers the 400 if none has one."""
+        self.loops.send(GiveBack(ticket, why, need=need))
 
     def trail(self, ticket: Claimed, tokens: tuple[int, ...] | None, answer: AnswerSoFar) -> None:
         if tokens is None and not answer.tokens:

@@ -110,6 +110,9 @@ class Job:
     """Whom the job is queued for: its share of the workers (``fair_queue``)."""
     work: float = 1.0
     """Its estimated work in tokens (``fair_queue.estimated_work``), settled when it ends."""
+    need: int = 0
+    """The tokens of context a worker's slot must have to be given it (``need.py``): set as
+    it is accepted, raised when a worker's llama-server refused its prompt as too long."""
     prefix: tuple[int, ...] = ()
     """Its prefix chain (``protocol.prefix``) once placed with ``--routing prefix``: its
     worker holds it while it runs."""
@@ -117,8 +120,9 @@ class Job:
     assigned: asyncio.Event = field(default_factory=asyncio.Event)
 
     @classmethod
-    def of(cls, ask: Submission) -> Job:
-        """A new job for ``ask``, its work estimated from its body."""
+    def of(cls, ask: Submission, need: int = 0) -> Job:
+        """A new job for ``ask``, its work estimated from its body; ``need``: the context a
+        worker's slot must have for it (``answers.context_need``)."""
         return cls(
             id=new_job_id(),
             model=ask.model,
@@ -128,6 +132,7 @@ class Job:
             key_id=ask.key_id,
             tenant=ask.tenant,
             work=estimated_work(ask.body),
+            need=need,
         )
 
     def transition(self, new: JobState, why: str = "") -> None:

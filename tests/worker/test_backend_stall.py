@@ -1,5 +1,6 @@
-"""When the worker's llama-server is taken for hung while it runs jobs (``worker/stall.py``):
-a table, and the properties the supervisor's probe loop relies on."""
+"""When the worker's llama-server is taken for hung while it runs jobs (``worker/stall.py``,
+named apart from the router's ``test_stall.py``): a table, and the properties the
+supervisor's probe loop relies on."""
 
 from __future__ import annotations
 

@@ -236,12 +236,15 @@ def test_an_answer_goes_on_when_its_llama_server_hangs(cluster: Cluster) -> None
 
     try:
         answer = ask(router, hang)
+        check_same(answer, reference)
+    except (AssertionError, ValueError, httpx.HTTPError) as exc:
+        logs = log_tails([router.proc, *procs.values()], 40)
+        raise AssertionError(f"{exc!r}\nreference: {reference}\n{logs}") from exc
     finally:
         for pid in stopped.values():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)  # whatever happened, no stopped process is left
     [(worker, old)] = stopped.items()
-    check_same(answer, reference)
     pause = answer.resumed_after_s
     print(f"\nSIGSTOP llama-server: next token {pause:.3f} s after the fault")
     assert pause is not None and pause < BACKEND_STALL_TIMEOUT_S + RESUME_MARGIN_S
@@ -316,9 +319,8 @@ def generating(
     return new[0] if len(new) == 1 else None
 
 
-def log_tails(fleet: Fleet, lines: int = 15) -> str:
-    """The last lines of every router's and worker's log (what a timeout reports)."""
-    procs = [r.proc for r in fleet.routers] + list(fleet.procs.values())
+def log_tails(procs: list[Proc], lines: int = 15) -> str:
+    """The last lines of these routers' and workers' logs (what a timeout reports)."""
     tails = []
     for proc in procs:
         text = proc.log_path.read_text(errors="replace") if proc.log_path.exists() else ""
@@ -354,7 +356,7 @@ def test_a_killed_workers_non_streamed_answer_goes_on_and_comes_whole(fleet: Fle
             raise AssertionError(
                 f"{exc}\nbefore: {earlier}\nreply: {getattr(got, 'text', got)!r:.500}\n"
                 f"looks:\n{looks}\n"
-                f"{log_tails(fleet)}"
+                f"{log_tails([r.proc for r in fleet.routers] + list(fleet.procs.values()))}"
             ) from None
         wait_until(lambda: tasks(backend).get(task, 0) >= FAULT_AFTER, 30, "tokens", every=0.01)
         fleet.procs[worker].signal(signal.SIGKILL)

@@ -382,7 +382,8 @@ class LlamaServer:
                 if busy_since is None:  # the jobs left as it was set
                     continue
                 if stall.hung(time.monotonic(), last_answer, busy_since, timeout):
-                    proc.kill()  # a stopped process acts on SIGKILL alone
+                    with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+                        proc.kill()  # a stopped process acts on SIGKILL alone
                     why = (
                         f"no answer to /health for {timeout:g} s while it ran jobs "
                         f"(--backend-stall-timeout); killed pid {proc.pid}"

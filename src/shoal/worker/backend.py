@@ -63,11 +63,9 @@ class BackendTarget:
     """The backend is llama-server: streams report their token ids and lost answers can be
     resumed here (``continuation``)."""
     ask_usage: bool = False
-    """Streamed chat and completions always ask the backend for their usage
-    (``stream_options.include_usage``): a server we attach to (vLLM, Ollama) counts a stream's
-    tokens nowhere else, so the router could not charge them. The router drops it from the
-    stream of a client that did not ask (``router/usage.py``). Our own llama-server needs
-    none: the last chunk of its every stream carries ``timings``."""
+    """Streams always ask for their usage (``stream_options.include_usage``): an attached
+    server counts their tokens nowhere else (llama-server's ``timings`` do); the router
+    charges it and keeps it from a client that did not ask (``router/usage.py``)."""
 
     @property
     def headers(self) -> dict[str, str]:

@@ -1,16 +1,22 @@
-"""Attaching to a running OpenAI-compatible server, and serving embeddings."""
+"""Attaching to a running OpenAI-compatible server (llama-server, vLLM), and serving
+embeddings."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from cluster import Cluster, free_port, wait_until
+from cluster import Cluster, Router, free_port, iter_sse, keys_cli, wait_until
+from fakes.fake_vllm import FakeVllm
 
 pytestmark = pytest.mark.e2e
 
@@ -146,3 +152,89 @@ def test_assembled_answer_matches_llama_servers_own(
         assert extra in (0, 1)
         del want["logprobs"]["content"][len(got["logprobs"]["content"]) :]
     assert assembled == direct
+
+
+@dataclass
+class Served:
+    url: str
+    fake: FakeVllm | None
+    """None: a real vLLM."""
+
+
+@pytest.fixture
+def vllm() -> Iterator[Served]:
+    """A server speaking vLLM's dialect: the real vLLM at ``$SHOAL_TEST_VLLM_URL`` when one is
+    given (serving one model), else the fake (``tests/fakes/fake_vllm.py``)."""
+    real = os.environ.get("SHOAL_TEST_VLLM_URL")
+    if real:
+        yield Served(real.rstrip("/"), None)
+        return
+    with FakeVllm.start("Qwen/Qwen2.5-0.5B-Instruct") as fake:
+        yield Served(fake.url, fake)
+
+
+def stream_chunks(router: Router, key: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every chunk of a streamed chat, as the client gets it (it must end with [DONE])."""
+    chunks = []
+    with httpx.stream(
+        "POST",
+        router.url + "/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=120,
+    ) as r:
+        assert r.status_code == 200, r.read()
+        for data in iter_sse(r):
+            if data == "[DONE]":
+                return chunks
+            chunks.append(json.loads(data))
+    raise AssertionError(f"the stream ended without [DONE]: {chunks[-2:]}")
+
+
+def test_an_attached_vllm_charges_streams_and_gives_usage_only_to_who_asks(
+    cluster: Cluster, vllm: Served
+) -> None:
+    """vLLM (like OpenAI) counts a stream's tokens only when asked: the worker always asks,
+    the router charges them to the key and its metrics, and a client that did not ask gets
+    no usage (no usage-only last chunk, no ``usage`` field); one that asked gets vLLM's."""
+    key = keys_cli(cluster.database_url, "create", "--scope", "inference", "--name", "streams")
+    key = key.splitlines()[-1]
+    router = cluster.router()
+    cluster.worker(
+        router, "--backend-url", vllm.url, "--model-alias", "public", "--slots", "2", model=False
+    )
+    router.wait_workers(1)
+    tokens = 8
+    body = {
+        "model": "public",
+        "messages": [{"role": "user", "content": "Count to ten, please."}],
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+
+    asked = stream_chunks(router, key, {**body, "stream_options": {"include_usage": True}})
+    last = asked[-1]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == tokens
+    prompt = last["usage"]["prompt_tokens"]
+    assert prompt > 0 and last["model"] == "public"
+
+    plain = stream_chunks(router, key, body)
+    assert plain and all(c["choices"] for c in plain), "no usage-only chunk"
+    assert not [c for c in plain if "usage" in c], "no usage field"
+    assert {c["model"] for c in plain} == {"public"}
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in plain)
+
+    def charged() -> dict[str, Any] | None:
+        r = httpx.get(router.url + "/api/v1/usage?key=streams", timeout=10)
+        rows = [row for row in r.json()["data"] if row["requests"] >= 2]
+        return rows[0] if rows else None
+
+    row = wait_until(charged, 30, "the key's usage")
+    assert (row["tokens_in"], row["tokens_out"]) == (2 * prompt, 2 * tokens)
+    metrics = httpx.get(router.url + "/metrics", timeout=10).text
+    assert f'shoal_tokens_total{{direction="out",model="public"}} {2 * tokens:.1f}' in metrics
+    if vllm.fake is not None:  # what the worker asked of it
+        options = [b.get("stream_options") for _, b in vllm.fake.requests if b.get("stream")]
+        assert options == [{"include_usage": True}] * 2

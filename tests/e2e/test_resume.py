@@ -1,9 +1,10 @@
 """An answer whose worker is lost mid-stream goes on on another worker, each token once: the
-worker SIGKILLed, its llama-server killed, the worker frozen (SIGSTOP). Temperature 0 with
-``ignore_eos``: the client's text is the uninterrupted one, its usage consistent."""
+worker SIGKILLed, its llama-server killed or frozen (SIGSTOP), the worker frozen. Temperature 0
+with ``ignore_eos``: the client's text is the uninterrupted one, its usage consistent."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import redis
 
@@ -122,14 +124,18 @@ class Fleet:
         self.router.wait_workers(len(live))
 
     def resumed(self, reason: str) -> float:
-        """``shoal_jobs_resumed_total`` for ``reason``, over every router (a job's holder
-        counts it)."""
-        line = f'shoal_jobs_resumed_total{{model="{MODEL}",reason="{reason}"}} '
-        total = 0.0
-        for router in self.routers:
-            text = httpx.get(router.url + "/metrics", headers=router.headers).text
-            total += sum(float(x[len(line) :]) for x in text.splitlines() if x.startswith(line))
-        return total
+        return resumed(self.routers, reason)
+
+
+def resumed(routers: list[Router], reason: str) -> float:
+    """``shoal_jobs_resumed_total`` for ``reason``, over every router (a job's holder counts
+    it)."""
+    line = f'shoal_jobs_resumed_total{{model="{MODEL}",reason="{reason}"}} '
+    total = 0.0
+    for router in routers:
+        text = httpx.get(router.url + "/metrics", headers=router.headers).text
+        total += sum(float(x[len(line) :]) for x in text.splitlines() if x.startswith(line))
+    return total
 
 
 @pytest.fixture(scope="module", params=["memory", "redis"])
@@ -205,6 +211,57 @@ def test_an_answer_goes_on_when_its_llama_server_dies(fleet: Fleet) -> None:
     report(fleet, "kill -9 llama-server", answer)
 
 
+BACKEND_STALL_TIMEOUT_S = 10.0
+"""The worker's ``--backend-stall-timeout`` by default."""
+RESUME_MARGIN_S = 5.0
+"""From the kill to the next token: the router hands the answer on, the other worker
+prefills the prompt and the tokens sent, and generates (about 1 s on a quiet machine)."""
+
+
+def test_an_answer_goes_on_when_its_llama_server_hangs(cluster: Cluster) -> None:
+    """The serving llama-server stopped (SIGSTOP) mid-answer while its worker lives and
+    heartbeats, the other worker idle: the worker takes it for hung within its
+    --backend-stall-timeout (default) and kills it, the answer goes on on the other worker,
+    whole and each token once, and the worker runs a new llama-server. (Before, the stream
+    paused 37 s: three failed health checks 10 s apart, then SIGTERM and a 5 s grace.)"""
+    router = cluster.router()
+    procs = {name: cluster.worker(router, "--slots", "1", name=name) for name in ("h1", "h2")}
+    router.wait_workers(len(procs))
+    reference = ask(router)
+    stopped: dict[str, int] = {}
+
+    def hang(worker: str) -> None:
+        stopped[worker] = llama_server_pid(router, worker)
+        os.kill(stopped[worker], signal.SIGSTOP)
+
+    try:
+        answer = ask(router, hang)
+        check_same(answer, reference)
+    except (AssertionError, ValueError, httpx.HTTPError) as exc:
+        logs = log_tails([router.proc, *procs.values()], 40)
+        raise AssertionError(f"{exc!r}\nreference: {reference}\n{logs}") from exc
+    finally:
+        for pid in stopped.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)  # whatever happened, no stopped process is left
+    [(worker, old)] = stopped.items()
+    pause = answer.resumed_after_s
+    print(f"\nSIGSTOP llama-server: next token {pause:.3f} s after the fault")
+    assert pause is not None and pause < BACKEND_STALL_TIMEOUT_S + RESUME_MARGIN_S
+    assert resumed([router], "backend") == 1
+
+    def replaced() -> bool:
+        return any(
+            w["id"] == worker and w["state"] == "ready" and llama_server_pid(router, worker) != old
+            for w in router.workers()
+        )
+
+    wait_until(replaced, 60, "the worker to run a new llama-server")
+    assert not psutil.pid_exists(old), "the hung llama-server was killed and reaped"
+    [log] = [p.log() for p in procs.values() if "(--backend-stall-timeout)" in p.log()]
+    assert "no answer to /health for 10 s while it ran jobs" in log
+
+
 def test_a_frozen_workers_answer_goes_on_before_its_heartbeats_time_out(fleet: Fleet) -> None:
     fleet.ready()
 
@@ -262,9 +319,8 @@ def generating(
     return new[0] if len(new) == 1 else None
 
 
-def log_tails(fleet: Fleet, lines: int = 15) -> str:
-    """The last lines of every router's and worker's log (what a timeout reports)."""
-    procs = [r.proc for r in fleet.routers] + list(fleet.procs.values())
+def log_tails(procs: list[Proc], lines: int = 15) -> str:
+    """The last lines of these routers' and workers' logs (what a timeout reports)."""
     tails = []
     for proc in procs:
         text = proc.log_path.read_text(errors="replace") if proc.log_path.exists() else ""
@@ -300,7 +356,7 @@ def test_a_killed_workers_non_streamed_answer_goes_on_and_comes_whole(fleet: Fle
             raise AssertionError(
                 f"{exc}\nbefore: {earlier}\nreply: {getattr(got, 'text', got)!r:.500}\n"
                 f"looks:\n{looks}\n"
-                f"{log_tails(fleet)}"
+                f"{log_tails([r.proc for r in fleet.routers] + list(fleet.procs.values()))}"
             ) from None
         wait_until(lambda: tasks(backend).get(task, 0) >= FAULT_AFTER, 30, "tokens", every=0.01)
         fleet.procs[worker].signal(signal.SIGKILL)

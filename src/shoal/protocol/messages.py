@@ -87,6 +87,11 @@ class Endpoint(enum.StrEnum):
     def is_image(self) -> bool:
         return self in IMAGE_ENDPOINTS
 
+    @property
+    def streams_usage(self) -> bool:
+        """Its streams report their usage when asked (``stream_options.include_usage``)."""
+        return self in (Endpoint.CHAT, Endpoint.COMPLETIONS)
+
 
 _ENDPOINT_PATHS = {
     Endpoint.CHAT: "/v1/chat/completions",

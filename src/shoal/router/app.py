@@ -273,7 +273,8 @@ def jobs_service(
         if shared is not None
         else MemoryJobStore(settings.job_ttl)
     )
-    return JobsService(store, dispatcher_runner(dispatcher), max_active=settings.job_max_active)
+    run = dispatcher_runner(dispatcher, settings.job_timeout)
+    return JobsService(store, run, max_active=settings.job_max_active)
 
 
 def result_cache(

@@ -92,6 +92,19 @@ class WorkerLost(RouterError):
     code = "worker_lost"
 
 
+class JobTimedOut(RouterError):
+    status = 504
+    type = "server_error"
+    code = "job_timeout"
+
+    def __init__(self, limit: float) -> None:
+        super().__init__(
+            f"This request took longer than the router's limit of {limit:g} s (its "
+            "--job-timeout) and was stopped. Ask for fewer tokens (max_tokens) or a shorter "
+            "prompt, or ask the router's administrator to raise --job-timeout."
+        )
+
+
 class UpstreamError(RouterError):
     """An error the worker's backend returned; status and body pass through."""
 
@@ -152,7 +165,8 @@ ERROR_SCHEMA: dict[str, Any] = {
 }
 _DEFAULT_RESPONSE = {
     "description": "An error, OpenAI-style: 400 invalid request, 401 missing or wrong key, "
-    "404 unknown model or path, 413 body too large, 429 queue full, 502/503 no worker.",
+    "404 unknown model or path, 413 body too large, 429 queue full, 502/503 no worker, "
+    "504 --job-timeout passed.",
     "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
 }
 

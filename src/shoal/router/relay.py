@@ -1,13 +1,16 @@
 """The response side of a job: waits for a worker, then streams or returns its answer.
 
 ``JobResponse`` is an ASGI response that watches the client the whole time: if the client
-disconnects while the job waits or streams, the job is cancelled and the worker stops it.
+disconnects while the job waits or streams, the job is cancelled and the worker stops it. Past
+``--job-timeout`` from its submission the job is cancelled too, and the client gets a 504
+``job_timeout`` error (as the stream's error event, when the stream has started).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import orjson
@@ -22,13 +25,14 @@ from shoal.router.dispatch.job import Job
 from shoal.router.errors import (
     REQUEST_ID,
     WORKER_ID,
+    JobTimedOut,
     RouterError,
     UpstreamError,
     error_payload,
     error_reply,
 )
 from shoal.router.result_cache import CacheFill
-from shoal.router.usage import cached_of, tokens_of
+from shoal.router.usage import asks_usage, cached_of, for_client, tokens_of
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,8 @@ class JobResponse(Response):
         accounting: Accounting | None = None,
         ticket: Ticket | None = None,
         fill: CacheFill | None = None,
+        *,
+        timeout: float = 0.0,
     ) -> None:
         super().__init__()
         self.job = job
@@ -61,16 +67,21 @@ class JobResponse(Response):
         self.ticket = ticket
         self.fill = fill
         """Collects a cacheable answer for the result cache."""
+        self.timeout = timeout
+        """``--job-timeout``: seconds from the job's submission to its end (0: no limit)."""
         self.status_code = 0
         self.answer: str | None = None
         """The result body, or the last streamed payload (where usage and timings are)."""
+        self.strip_usage = job.stream and job.endpoint.streams_usage and not asks_usage(job.body)
+        """The client did not ask for usage: its stream gets none (``usage.for_client``),
+        though its tokens are charged from it."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             async with asyncio.TaskGroup() as tg:
                 watcher = tg.create_task(_watch_disconnect(receive))
                 try:
-                    await self._respond(scope, send)
+                    await self._respond_in_time(scope, send)
                 finally:
                     watcher.cancel()
         except* ClientGone:
@@ -85,6 +96,38 @@ class JobResponse(Response):
             if self.accounting is not None and self.ticket is not None:
                 cached = cached_of(self.answer) if self.answer else None
                 await self.accounting.finish(self.ticket, self.job, tokens, cached)
+
+    async def _respond_in_time(self, scope: Scope, send: Send) -> None:
+        """``_respond``, ended by ``--job-timeout`` with its error where the response is."""
+        if not self.timeout:
+            await self._respond(scope, send)
+            return
+        sent = _Sent(send)
+        limit = asyncio.timeout(max(0.0, self.job.created + self.timeout - time.monotonic()))
+        try:
+            async with limit:
+                await self._respond(scope, sent)
+        except TimeoutError:
+            if not limit.expired():
+                raise
+            await self._timed_out(scope, sent)
+
+    async def _timed_out(self, scope: Scope, sent: _Sent) -> None:
+        job = self.job
+        log.warning(
+            "job %s model=%s worker=%s: stopped after %g s (--job-timeout)",
+            job.id,
+            job.model,
+            job.worker_id,
+            self.timeout,
+        )
+        self.dispatcher.cancel(job, f"over --job-timeout ({self.timeout:g} s)")
+        error = JobTimedOut(self.timeout)
+        if not sent.started:
+            await self._refuse(scope, sent, error)
+        elif not sent.complete:  # a stream gets the error event; a body cut short, its end
+            body = _error_bytes(error) if sent.sse else b""
+            await sent({"type": "http.response.body", "body": body})
 
     async def _respond(self, scope: Scope, send: Send) -> None:
         job = self.job
@@ -211,10 +254,13 @@ class JobResponse(Response):
         for event in pending:
             if isinstance(event, Data):
                 self.answer = event.data
+                data = for_client(event.data) if self.strip_usage else event.data
+                if data is None:
+                    continue
                 if self.fill is not None:
-                    self.fill.data(event.data)
+                    self.fill.data(data)
                 buf += b"data: "
-                buf += event.data.encode()
+                buf += data.encode()
                 buf += b"\n\n"
             elif isinstance(event, Done):
                 buf += _DONE
@@ -232,6 +278,24 @@ def _error_event(error: ErrorBody) -> bytes:
 def _error_bytes(exc: RouterError) -> bytes:
     """A refusal as the SSE error event of a stream that has already started."""
     return b"data: " + orjson.dumps(error_payload(exc)) + b"\n\n"
+
+
+class _Sent:
+    """``send``, remembering how far the response got (what a timeout may still send)."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+        self.sse = False
+        self.complete = False
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            self.sse = _SSE_HEADERS[0] in message.get("headers", ())
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.complete = True
+        await self._send(message)
 
 
 async def _send_more(send: Send, body: bytes) -> None:

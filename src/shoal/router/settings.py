@@ -75,6 +75,14 @@ class RouterSettings(CommonSettings):
         "the router whose worker (or the pull worker that) holds its prompt's prefix (and has a "
         "free slot) before anyone takes it; 0: anyone takes it at once. Below --max-wait.",
     )
+    job_timeout: float = Field(
+        0.0,
+        ge=0,
+        description="Most seconds a request may take, from its arrival to its answer's end "
+        "(waiting for a worker, running, going on on another worker), before it fails with a "
+        "504 job_timeout error (a stream already started ends with that error event) and its "
+        "worker stops it; async jobs (/v1/jobs) count from their submission. 0: no limit.",
+    )
     max_requeues: int = Field(
         2, ge=0, description="Times a job is handed to another worker when its worker is lost."
     )

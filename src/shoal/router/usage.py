@@ -1,8 +1,13 @@
-"""How many tokens an answer used, read from the answer itself without parsing all of it.
+"""How many tokens an answer used, read from the answer itself without parsing all of it;
+and the usage a client did not ask for, taken out of its stream.
 
 OpenAI-style bodies carry ``usage``; llama-server also attaches ``timings`` (``prompt_n``,
 ``cache_n``, ``predicted_n``) to the last chunk of every stream, which is the only count a
 streamed chat answer carries when the client did not ask for ``stream_options.include_usage``.
+Other servers (vLLM, Ollama) count a stream's tokens only when asked, so a worker attached to
+one always asks (``worker/backend.py``, ``BackendTarget.ask_usage``); the router charges the
+tokens from what the worker sent and gives a client that did not ask a stream without usage
+(``for_client``), as OpenAI does: no usage-only last chunk, no ``usage`` field.
 """
 
 from __future__ import annotations
@@ -90,3 +95,26 @@ def cached_of(body: str) -> int | None:
     if match is not None and (cache_n := _CACHE_N.search(match.group(1))) is not None:
         return int(cache_n.group(1))
     return None
+
+
+def asks_usage(body: dict[str, object]) -> bool:
+    """Whether a streamed request asked for its usage (``stream_options.include_usage``)."""
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def for_client(data: str) -> str | None:
+    """A streamed chunk as a client that did not ask for usage gets it: without its
+    ``usage``; None for the usage-only chunk (no choices), which it does not get at all."""
+    if _USAGE_KEY not in data:  # the hot path: most chunks
+        return data
+    try:
+        chunk = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return data
+    if not isinstance(chunk, dict) or "usage" not in chunk:
+        return data  # "usage" was a key deeper down
+    del chunk["usage"]
+    if not chunk.get("choices"):
+        return None
+    return orjson.dumps(chunk).decode()

@@ -62,6 +62,10 @@ class BackendTarget:
     token_ids: bool = False
     """The backend is llama-server: streams report their token ids and lost answers can be
     resumed here (``continuation``)."""
+    ask_usage: bool = False
+    """Streams always ask for their usage (``stream_options.include_usage``): an attached
+    server counts their tokens nowhere else (llama-server's ``timings`` do); the router
+    charges it and keeps it from a client that did not ask (``router/usage.py``)."""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -154,6 +158,10 @@ class Backend:
         if self._collects(job):
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
+        elif self.target.ask_usage and job.stream and job.endpoint.streams_usage:
+            options = body.get("stream_options")
+            asked = options if isinstance(options, dict) else {}
+            body["stream_options"] = {**asked, "include_usage": True}
         if self._trails(job) or self._tracks(job):
             body = with_token_ids(body, job.endpoint)
         return orjson.dumps(body)

@@ -9,6 +9,13 @@
 
 ``ALLOWED`` is that diagram as a table; any other move raises ``IllegalTransition``.
 
+A hang is found two ways: while no job holds it, three failed ``/health`` checks in a row
+(``HEALTH_PERIOD_S`` apart); while jobs hold it, no answer to ``/health`` for
+``stall_timeout_s`` (``stall.py``: probed every quarter of it). A process found hung while
+jobs wait is killed at once (SIGKILL: a stopped process acts on nothing else), which ends
+its jobs' streams: the worker reports them as a backend that died mid-answer, and the
+router has them go on elsewhere.
+
 The process gets SIGTERM then SIGKILL in a ``finally``, and is killed with the worker on Linux
 (PR_SET_PDEATHSIG), so no llama-server outlives its worker.
 """
@@ -32,6 +39,7 @@ from pathlib import Path
 import aiohttp
 
 from shoal.protocol.messages import BackendState
+from shoal.worker import stall
 from shoal.worker.backoff import Backoff
 from shoal.worker.lifecycle import Lifecycle
 
@@ -84,6 +92,9 @@ class LlamaServerConfig:
     """``--device``/``--split-mode``/``--tensor-split`` for the GPUs this worker may use."""
     env: tuple[tuple[str, str], ...] = ()
     """Variables added to llama-server's environment (e.g. ``CUDA_DEVICE_ORDER``)."""
+    stall_timeout_s: float = stall.DEFAULT_TIMEOUT_S
+    """While jobs hold it: seconds without an answer to ``/health`` after which it is killed
+    and restarted (``stall.py``; 0: only the idle health check applies)."""
 
 
 def command(config: LlamaServerConfig, port: int) -> list[str]:
@@ -144,6 +155,10 @@ class Unloaded(Exited):
     """Stopped on purpose after idling; not a crash."""
 
 
+class Hung(Exited):
+    """Did not answer while jobs waited on it (``stall.py``); already killed."""
+
+
 class NotServing(Exception):
     """A job waited for llama-server, which failed for good instead of becoming ready."""
 
@@ -159,6 +174,10 @@ class LlamaServer:
     backoff: Backoff = field(default_factory=lambda: Backoff(base=1.0, cap=30.0))
     _crashes: deque[float] = field(default_factory=deque)
     _active_jobs: int = 0
+    _busy_since: float | None = None
+    """When jobs began to hold llama-server (None: none does)."""
+    _busy: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set while jobs hold llama-server (the stall watch probes then)."""
     _last_job_at: float = field(default_factory=time.monotonic)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     """Set on every state change; waiters re-check ``state`` (then clear it themselves)."""
@@ -188,6 +207,9 @@ class LlamaServer:
 
         Raises ``NotServing`` if it fails for good while the job waits.
         """
+        if not self._active_jobs:
+            self._busy_since = time.monotonic()
+            self._busy.set()
         self._active_jobs += 1
         try:
             while self.state is not BackendState.READY:
@@ -200,6 +222,9 @@ class LlamaServer:
         finally:
             self._active_jobs -= 1
             self._last_job_at = time.monotonic()
+            if not self._active_jobs:
+                self._busy_since = None
+                self._busy.clear()
 
     def _idle_for(self) -> float | None:
         """Seconds left before an idle unload (<= 0: now), or None when it never unloads."""
@@ -264,7 +289,7 @@ class LlamaServer:
             try:
                 async with asyncio.TaskGroup() as tg:
                     tg.create_task(self._drain(proc, logf, ready))
-                    await self._supervise(proc, ready)
+                    await self._supervise(proc, ready, tg)
             except* Exited as group:
                 exited = group.exceptions[0]
             finally:
@@ -273,7 +298,11 @@ class LlamaServer:
         assert isinstance(exited, Exited)
         return exited
 
-    async def _supervise(self, proc: asyncio.subprocess.Process, ready: asyncio.Event) -> None:
+    async def _supervise(
+        self, proc: asyncio.subprocess.Process, ready: asyncio.Event, tg: asyncio.TaskGroup
+    ) -> None:
+        """Wait until it loads, then watch it; raises ``Exited`` (or ``Hung``, from the stall
+        watch, a task of ``tg``) when this run of it ends."""
         waiter = asyncio.ensure_future(proc.wait())
         marker = asyncio.ensure_future(ready.wait())
         try:
@@ -287,6 +316,8 @@ class LlamaServer:
             async with aiohttp.ClientSession() as session:
                 await self._wait_healthy(session, proc)
                 self._move(BackendState.READY, f"serving on {self.url} (pid {proc.pid})")
+                if self.config.stall_timeout_s > 0:
+                    tg.create_task(self._watch_jobs(proc))
                 await self._watch(session, waiter)
         finally:
             waiter.cancel()
@@ -337,6 +368,42 @@ class LlamaServer:
             failures = 0 if await self._healthy(session) else failures + 1
             if failures >= HEALTH_FAILURES_BEFORE_RESTART:
                 raise Exited(None, f"/health failed {failures} times in a row")
+
+    async def _watch_jobs(self, proc: asyncio.subprocess.Process) -> None:
+        """While jobs hold llama-server, probe ``/health`` every ``stall.probe_every``; when it
+        has not answered for the stall timeout, kill it and raise ``Hung``."""
+        timeout = self.config.stall_timeout_s
+        period = stall.probe_every(timeout, HEALTH_PERIOD_S)
+        last_answer = time.monotonic()
+        async with aiohttp.ClientSession() as session:
+            while True:
+                await self._busy.wait()
+                busy_since = self._busy_since
+                if busy_since is None:  # the jobs left as it was set
+                    continue
+                if stall.hung(time.monotonic(), last_answer, busy_since, timeout):
+                    with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+                        proc.kill()  # a stopped process acts on SIGKILL alone
+                    why = (
+                        f"no answer to /health for {timeout:g} s while it ran jobs "
+                        f"(--backend-stall-timeout); killed pid {proc.pid}"
+                    )
+                    log.warning("llama-server %s: %s", self.config.alias, why)
+                    raise Hung(None, why)
+                asked = time.monotonic()
+                due = stall.deadline(last_answer, busy_since, timeout)
+                if await self._answers_by(session, due):
+                    last_answer = time.monotonic()
+                    due = stall.deadline(last_answer, busy_since, timeout)
+                await asyncio.sleep(max(0.0, min(asked + period, due) - time.monotonic()))
+
+    async def _answers_by(self, session: aiohttp.ClientSession, due: float) -> bool:
+        """Whether ``/health`` answers ok before ``due`` (``time.monotonic()``)."""
+        try:
+            async with asyncio.timeout(max(0.0, due - time.monotonic())):
+                return await self._healthy(session)
+        except TimeoutError:
+            return False
 
     async def _drain(
         self, proc: asyncio.subprocess.Process, logf: object, ready: asyncio.Event

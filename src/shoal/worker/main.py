@@ -497,4 +497,4 @@ async def _target(
         backend_model = await discover_model(session, supervisor.url, headers)
         log.info("attached backend %s serves %r", supervisor.url, backend_model)
     rename = backend_model if backend_model != the_plan.model.name else None
-    return BackendTarget(the_plan.model.name, rename, api_key)
+    return BackendTarget(the_plan.model.name, rename, api_key, ask_usage=True)

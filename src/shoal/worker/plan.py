@@ -117,6 +117,7 @@ def plan(
         log_file=logs_dir(settings.cache_dir) / f"llama-server-{alias.replace('/', '_')}.log",
         max_restarts=settings.max_restarts,
         idle_unload_s=settings.idle_unload,
+        stall_timeout_s=settings.backend_stall_timeout,
         device_args=device_args,
         env=tuple(sorted({**spin_env(os.environ), **dict(device_env)}.items())),
     )

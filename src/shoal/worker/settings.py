@@ -12,8 +12,10 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 
 from shoal.llama_cpp.options import LlamaCppOptions
 from shoal.protocol.messages import WS_PATH
+from shoal.worker.stall import DEFAULT_TIMEOUT_S as DEFAULT_STALL_TIMEOUT_S
 
 REDIS_SCHEMES = frozenset({"redis", "rediss", "unix"})
+MIN_STALL_TIMEOUT_S = 1.0
 
 
 WS_SCHEMES = {"ws": "ws", "wss": "wss", "http": "ws", "https": "wss"}
@@ -238,6 +240,14 @@ class WorkerSettings(LlamaCppOptions):
     max_restarts: int = Field(
         5, ge=0, description="Crashes within a minute after which llama-server is not restarted."
     )
+    backend_stall_timeout: float = Field(
+        DEFAULT_STALL_TIMEOUT_S,
+        ge=0,
+        description="Seconds llama-server may leave /health unanswered while it runs jobs "
+        "before it is taken for hung (stopped, frozen): it is killed and restarted, and its "
+        "answers go on on other workers. It answers /health while it computes, however long "
+        "the prompt. 0: off (a hang is then found by three failed health checks 10 s apart).",
+    )
     rpc_host: str | None = Field(
         None,
         description="Direct mode for split models, trusted networks only: the IPv4 address "
@@ -294,6 +304,16 @@ class WorkerSettings(LlamaCppOptions):
             raise ValueError(
                 "redis_url must start with redis://, rediss:// or unix:// "
                 "(e.g. redis://127.0.0.1:6379/0)"
+            )
+        return value
+
+    @field_validator("backend_stall_timeout")
+    @classmethod
+    def _stall_timeout_ok(cls, value: float) -> float:
+        if 0 < value < MIN_STALL_TIMEOUT_S:
+            raise ValueError(
+                f"backend_stall_timeout must be 0 (off) or at least {MIN_STALL_TIMEOUT_S:g} s, "
+                f"got {value:g}: a busy machine may take a moment to answer /health"
             )
         return value
 

@@ -2,13 +2,15 @@
 
 It queues the job, waits for a worker (the dispatcher's ``max_wait`` applies, as for any
 request: past it the job fails with the same 503), marks the record running, and returns the
-``Result`` body or the ``Failed`` error. However it ends (answer, error, cancel, shutdown),
-the dispatcher job is cancelled in ``finally``, which is a no-op once it has ended and
-otherwise frees the queue slot or stops the worker's generation.
+``Result`` body or the ``Failed`` error; past ``--job-timeout`` it fails with a 504. However
+it ends (answer, error, timeout, cancel, shutdown), the dispatcher job is cancelled in
+``finally``, which is a no-op once it has ended and otherwise frees the queue slot or stops
+the worker's generation.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -27,12 +29,15 @@ from shoal.router.async_jobs.service import (
 from shoal.router.dispatch.fair_queue import Priority, Tenant
 from shoal.router.dispatch.interface import Dispatcher
 from shoal.router.dispatch.job import Job, Submission
-from shoal.router.errors import RouterError, UpstreamError, WorkerLost
+from shoal.router.errors import JobTimedOut, RouterError, UpstreamError, WorkerLost
 
 log = logging.getLogger(__name__)
 
 
-def dispatcher_runner(dispatcher: Dispatcher) -> Runner:
+def dispatcher_runner(dispatcher: Dispatcher, job_timeout: float = 0.0) -> Runner:
+    """``job_timeout``: seconds from submission after which the job fails (``--job-timeout``;
+    0: never)."""
+
     async def run(request: RunRequest) -> RunOutcome:
         streamed = request.endpoint.is_image  # streamed for its progress events
         # Async jobs queue as batch work (after the interactive requests waiting, until aged),
@@ -50,20 +55,37 @@ def dispatcher_runner(dispatcher: Dispatcher) -> Runner:
             )
         )
         log.info("async job %s runs as job %s", request.job_id, job.id)
+        limit = asyncio.timeout(job_timeout or None)
         try:
-            positions = dispatcher.queue_positions(job)
-            if positions is not None and request.queued is not None:
-                async for place in positions:
-                    await request.queued(place)
-            await dispatcher.wait_assigned(job)
-            await request.started()
-            if streamed:
-                return await _image_answer(dispatcher, job, request)
-            return await _answer(dispatcher, job)
+            async with limit:
+                return await _outcome(dispatcher, job, request)
+        except TimeoutError:
+            if not limit.expired():
+                raise
+            log.warning(
+                "async job %s (job %s model=%s): stopped after %g s (--job-timeout)",
+                request.job_id,
+                job.id,
+                job.model,
+                job_timeout,
+            )
+            return RunFailed.of(JobTimedOut(job_timeout))
         finally:
-            dispatcher.cancel(job, f"async job {request.job_id} cancelled or stopped")
+            dispatcher.cancel(job, f"async job {request.job_id} cancelled, stopped or timed out")
 
     return run
+
+
+async def _outcome(dispatcher: Dispatcher, job: Job, request: RunRequest) -> RunOutcome:
+    positions = dispatcher.queue_positions(job)
+    if positions is not None and request.queued is not None:
+        async for place in positions:
+            await request.queued(place)
+    await dispatcher.wait_assigned(job)
+    await request.started()
+    if request.endpoint.is_image:
+        return await _image_answer(dispatcher, job, request)
+    return await _answer(dispatcher, job)
 
 
 async def _answer(dispatcher: Dispatcher, job: Job) -> RunOutcome:

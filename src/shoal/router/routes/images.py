@@ -76,7 +76,9 @@ async def submit_image(
     except RouterError:
         await ctx.accounting.release(ticket)
         raise
-    return JobResponse(job, ctx.dispatcher, ctx.accounting, ticket)
+    return JobResponse(
+        job, ctx.dispatcher, ctx.accounting, ticket, timeout=ctx.settings.job_timeout
+    )
 
 
 async def run(request: Request, endpoint: Endpoint) -> Response:

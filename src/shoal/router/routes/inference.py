@@ -72,7 +72,9 @@ async def submit(ctx: RouterContext, endpoint: Endpoint, headers: Headers, raw: 
     except RouterError:
         await ctx.accounting.release(ticket)
         raise
-    return JobResponse(job, ctx.dispatcher, ctx.accounting, ticket, fill)
+    return JobResponse(
+        job, ctx.dispatcher, ctx.accounting, ticket, fill, timeout=ctx.settings.job_timeout
+    )
 
 
 def _reserve(body: dict[str, Any]) -> int:

@@ -183,10 +183,15 @@ class TestErrors:
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
     def test_backend_error_passes_through(self, shared: Shared) -> None:
-        # A prompt longer than a slot's context: llama-server's own 400 reaches the client.
+        # A grammar llama-server cannot parse: its own 400 reaches the client. (A prompt longer
+        # than every slot's context no longer does: the router answers that one itself,
+        # tests/e2e/test_context.py.)
         with pytest.raises(openai.BadRequestError) as info:
-            shared.client.completions.create(model=MODEL, prompt="hello " * 3000, max_tokens=2)
+            shared.client.completions.create(
+                model=MODEL, prompt="hello", max_tokens=2, extra_body={"grammar": "root ::= ("}
+            )
         assert info.value.status_code == 400
+        assert "failed to parse grammar" in info.value.response.json()["error"]["message"]
         # Its code as llama-server (like OpenAI) sends it: a number (it was turned into "400";
         # the openai client makes a string of either, so the body is read).
         assert info.value.response.json()["error"]["code"] == 400

@@ -4,16 +4,24 @@ A Ctrl-C while the command is imported (a second or more on a busy machine, befo
 handler of a command is in place) is held until the imports are done, then exits with 130, as
 one during a command does: raised in the middle of an import it printed a traceback of
 whichever import it cut (or, inside pydantic's compiled core, a panic).
+
+A reader that stops early (``shoal doctor --json | head``) closes the pipe under the command's
+output; the command then ends quietly with 141, as one killed by SIGPIPE does, instead of a
+``BrokenPipeError`` traceback.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from types import FrameType
 
 INTERRUPTED = 130
 """The exit status of a command stopped by Ctrl-C (128 + SIGINT), as shells report it."""
+
+PIPE_CLOSED = 141
+"""The exit status of a command whose reader went away (128 + SIGPIPE), as shells report it."""
 
 
 def run() -> None:
@@ -34,11 +42,26 @@ def run() -> None:
             signal.signal(signal.SIGINT, previous)
     if interrupted:
         sys.exit(INTERRUPTED)
+    code: int | str | None
     try:
-        code = main()
-    except KeyboardInterrupt:  # before the command's own handlers (main catches those after)
-        code = INTERRUPTED
+        try:
+            code = main()
+        except SystemExit as exit_:  # --help and argparse's errors end here: still flushed below
+            code = exit_.code
+        except KeyboardInterrupt:  # before the command's own handlers (main catches those after)
+            code = INTERRUPTED
+        sys.stdout.flush()  # what is still buffered may meet the closed pipe: inside the try
+    except BrokenPipeError:
+        code = _reader_gone()
     sys.exit(code)
+
+
+def _reader_gone() -> int:
+    """Point stdout at /dev/null so the interpreter's own flush at exit does not raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return PIPE_CLOSED
 
 
 if __name__ == "__main__":

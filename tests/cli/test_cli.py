@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -231,3 +232,22 @@ def test_router_help_says_what_redis_shares(capsys: pytest.CaptureFixture[str]) 
     help_text = " ".join(capsys.readouterr().out.split())
     assert "later" not in help_text
     assert "the job queue (any router takes any request" in help_text
+
+
+@pytest.mark.parametrize("argv", [["doctor", "--json"], ["models", "list"]])
+def test_a_reader_that_stops_early_gets_no_traceback(argv: list[str]) -> None:
+    """``shoal doctor --json | head``: the reader is gone before the command writes."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # no reader left: the command's first write meets a closed pipe
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "shoal", *argv],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=clean_env(),
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert r.stderr == "" and r.returncode == 141

@@ -9,6 +9,7 @@ them in ``/metrics`` and ``GET /api/v1/workers``.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -16,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from cluster import Cluster, Router, wait_until
+from cluster import MODEL, Cluster, Router, wait_until
 from fakes.fake_pynvml import machine_gpus, worker_env
 
 pytestmark = pytest.mark.e2e
@@ -119,3 +120,40 @@ def test_every_router_on_redis_lists_the_gpus_and_gauges_its_own(
     assert (on_b["id"], on_b["router"]) == (on_a["id"], on_a["router"])  # held by A
     assert gpu_series(a) == expected_series(WORKER)
     assert gpu_series(b) == {}
+
+
+def beat_seen(router: Router, name: str) -> None:
+    """Wait until the router has a heartbeat from ``name`` newer than now."""
+    [before] = [w for w in router.workers() if w["name"] == name]
+    since = time.monotonic()
+
+    def newer() -> bool:
+        [entry] = [w for w in router.workers() if w["name"] == name]
+        waited = time.monotonic() - since
+        return bool(entry["last_seen_s_ago"] + 0.2 < before["last_seen_s_ago"] + waited)
+
+    wait_until(newer, 30, f"a heartbeat from {name}")
+
+
+def test_a_worker_told_to_use_no_gpu_computes_on_the_cpu_and_reports_none(
+    cluster: Cluster,
+) -> None:
+    """``--gpu-devices none`` on a GPU machine (a CPU stage beside a GPU worker, say): the
+    worker still describes its machine's GPUs, but samples none, says none sits idle (it was
+    told), and serves on the CPU."""
+    router = cluster.router()
+    worker = cluster.worker(router, "--gpu-devices", "none", name="cpu-only", env=worker_env())
+    [entry] = router.wait_workers(1)
+    beat_seen(router, "cpu-only")
+    [entry] = router.workers()
+    assert [g["name"] for g in entry["hardware"]["gpus"]] == [g["name"] for g in machine_gpus()]
+    assert entry["gpu_telemetry"] == [] and entry["gpus_unused"] is None
+    assert gpu_series(router) == {}
+    r = httpx.post(
+        router.url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+        headers=router.headers,
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+    assert "--device none" in worker.log()

@@ -112,7 +112,14 @@ def test_tensor_split_is_proportional_and_reduced(free_mib: list[int]) -> None:
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("0,1", (0, 1)), (" 2 , 0 ", (2, 0)), ("3", (3,)), ("10,11,12", (10, 11, 12))],
+    [
+        ("0,1", (0, 1)),
+        (" 2 , 0 ", (2, 0)),
+        ("3", (3,)),
+        ("10,11,12", (10, 11, 12)),
+        ("none", ()),
+        (" None ", ()),
+    ],
 )
 def test_parse_gpu_devices(text: str, expected: tuple[int, ...]) -> None:
     assert parse_gpu_devices(text) == expected
@@ -128,12 +135,17 @@ def test_parse_gpu_devices(text: str, expected: tuple[int, ...]) -> None:
         ("-1", "'-1' is not a GPU index"),
         ("1.5", "'1.5' is not a GPU index"),
         ("0,1,0", "GPU 0 is listed twice"),
+        ("none,0", "'none' is not a GPU index"),
     ],
 )
 def test_parse_gpu_devices_errors_say_what_to_write(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message) as info:
         parse_gpu_devices(text)
-    assert "such as 0,1" in str(info.value)
+    assert "such as 0,1" in str(info.value) and "none for the CPU only" in str(info.value)
+
+
+def test_no_gpus_selected_runs_llama_server_on_the_cpu() -> None:
+    assert split_args(()) == ("--device", "none") and device_env(()) == {}
 
 
 def test_cuda_needs_pci_bus_order() -> None:

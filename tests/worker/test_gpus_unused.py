@@ -70,3 +70,17 @@ def test_before_the_routers_model_is_known_the_build_at_hand_is_checked(
     assert said is not None and "drives none of them" in said
     attached = settings(tmp_path, llama_server, backend_url="http://127.0.0.1:9")
     assert gpus_unused_before_plan(attached, os.environ["PATH"], machine(H100)) is None
+
+
+def test_a_worker_told_to_use_no_gpu_runs_on_the_cpu_without_a_warning(
+    tmp_path: Path, llama_server: Path, model_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--gpu-devices none`` (a CPU stage beside a GPU worker on one machine, say): its
+    llama-server gets ``--device none``, and no GPU is said to sit idle: it was asked to."""
+    caplog.set_level(logging.WARNING, logger="shoal.worker")
+    cpu_only = settings(tmp_path, llama_server, model_path=model_path, gpu_devices="none")
+    the_plan = plan(cpu_only, os.environ["PATH"], machine(H100))
+    assert the_plan.gpus_unused is None and "drives none" not in caplog.text
+    assert the_plan.llama is not None
+    assert the_plan.llama.device_args == ("--device", "none")
+    assert gpus_unused_before_plan(cpu_only, os.environ["PATH"], machine(H100)) is None

@@ -305,12 +305,22 @@ def refresh_free_memory(
 # ------------------------------------------------------------------- --gpu-devices
 
 
+NO_GPUS = "none"
+"""``--gpu-devices none``: this worker uses no GPU of its machine."""
+
+
 def parse_gpu_devices(text: str) -> tuple[int, ...]:
-    """GPU indices from a ``--gpu-devices 0,1`` value, in the order given.
+    """GPU indices from a ``--gpu-devices 0,1`` value, in the order given; ``none``: no GPU
+    (the worker computes on the CPU, as on a machine without one).
 
     Raises ValueError with a message that says what a valid value looks like.
     """
-    hint = "give comma-separated GPU indices such as 0,1 (the worker log lists this machine's)"
+    hint = (
+        "give comma-separated GPU indices such as 0,1 (the worker log lists this machine's), "
+        "or none for the CPU only"
+    )
+    if text.strip().lower() == NO_GPUS:
+        return ()
     parts = [p.strip() for p in text.split(",")]
     if not text.strip():
         raise ValueError(f"--gpu-devices is empty; {hint}")

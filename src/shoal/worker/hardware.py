@@ -129,6 +129,15 @@ def device_environment(profile: MachineProfile, gpu_devices: str | None) -> dict
     return device_env(selected(profile, gpu_devices).gpus)
 
 
+def _used(profile: MachineProfile, gpu_devices: str | None) -> tuple[GpuDevice, ...]:
+    """The GPUs ``--gpu-devices`` gives the worker (none: no GPU to sample); all of them when
+    the value is wrong, which the worker's plan reports."""
+    try:
+        return selected(profile, gpu_devices).gpus
+    except HardwareError:
+        return profile.gpus
+
+
 def shard_devices(
     profile: MachineProfile, gpu_devices: str | None, listed: tuple[ComputeDevice, ...]
 ) -> tuple[ShardDevice, ...]:
@@ -194,7 +203,7 @@ class MemoryProbe:
         self.profile = profile
         self.gpu_devices = gpu_devices
         self.stage_devices = stage_devices
-        self.sampler = sampler if sampler is not None else sampler_for(profile.gpus)
+        self.sampler = sampler if sampler is not None else sampler_for(_used(profile, gpu_devices))
         self._lock = threading.Lock()  # a heartbeat and a worker-list write may overlap
 
     def stage_memory(self) -> int | None:

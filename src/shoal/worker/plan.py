@@ -99,7 +99,7 @@ def plan(
     choice = backend_choice(settings, path_env, machine.gpus)
     binaries = llama_cpp_binaries(settings, path_env, choice=choice)
     log.info("llama-server: %s", binaries.reason)
-    gpus_unused = hardware.gpus_unused(machine, binaries, choice)
+    gpus_unused = hardware.gpus_unused(_used(machine, settings), binaries, choice)
     local = local_model(settings, settings.model or default_model or DEFAULT_MODEL.id, machine)
     alias = settings.model_alias or local.id
     device_args, device_env = _device_args(machine, settings)
@@ -136,7 +136,7 @@ def gpus_unused_before_plan(
     """For a worker whose model the router names: whether the llama-server it would run
     drives the GPUs here (the one cached or on PATH; nothing is fetched yet), else whether
     the backend chosen can use them at all. Blocking."""
-    if settings.backend_url or not machine.gpus:
+    if settings.backend_url or not _used(machine, settings).gpus:
         return None
     choice = backend_choice(settings, path_env, machine.gpus)
     try:
@@ -145,7 +145,16 @@ def gpus_unused_before_plan(
         if choice.idle_gpus:
             log.warning("%s", choice.idle_gpus)
         return choice.idle_gpus
-    return hardware.gpus_unused(machine, found, choice)
+    return hardware.gpus_unused(_used(machine, settings), found, choice)
+
+
+def _used(machine: MachineProfile, settings: WorkerSettings) -> MachineProfile:
+    """``machine`` with only the GPUs ``--gpu-devices`` gives the worker (none: no warning
+    that a GPU sits idle, it was asked to)."""
+    try:
+        return hardware.selected(machine, settings.gpu_devices)
+    except hardware.HardwareError as exc:
+        raise WorkerConfigError(str(exc)) from None  # its message names the flag
 
 
 def cpu_threads(settings: WorkerSettings, machine: MachineProfile, model: str) -> ServerThreads:

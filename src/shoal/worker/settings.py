@@ -147,7 +147,8 @@ class WorkerSettings(LlamaCppOptions):
     gpu_devices: str | None = Field(
         None,
         description="Comma-separated GPU indices to use (as nvidia-smi/rocm-smi number them); "
-        "the model is split across them by free memory. Default: all.",
+        "the model is split across them by free memory. 'none': compute on the CPU only (its "
+        "llama-server gets --device none, split-model stages -d CPU). Default: all.",
     )
     split_mode: Literal["layer", "row", "none"] = Field(
         "layer", description="How llama.cpp splits a model across several GPUs."

@@ -197,3 +197,22 @@ def test_a_prompt_every_llama_server_refuses_gets_the_routers_400(fleet: Fleet) 
     assert error["code"] == "context_length_exceeded", error
     assert f"the largest holds {BIG} tokens" in error["message"]
     assert "Shorten the prompt, or lower max_tokens" in error["message"]
+
+
+def test_a_worker_that_says_it_holds_more_than_it_does_ends_in_llama_servers_400(
+    cluster: Cluster,
+) -> None:
+    """``--llama-server-args "-c 256"`` overrides ``--ctx-size 512``: the worker says 512,
+    its llama-server holds 256. A prompt of ~380 tokens fits what it says, so the router gives
+    it back after each refusal; within ``--max-requeues`` the client gets llama-server's own
+    400 (it used to go round until the client gave up)."""
+    router = cluster.router("--max-requeues", "2")
+    worker = cluster.worker(
+        router, "--slots", "1", "--ctx-size", "512", "--llama-server-args", "-c 256", name="liar"
+    )
+    router.wait_workers(1)
+    r = chat(router, LONG, max_tokens=8)
+    assert r.status_code == 400, r.text[:300]
+    assert "exceeds the available context size" in r.json()["error"]["message"]
+    runs = worker.log().count(f"job {r.headers['x-request-id']} model=")
+    assert runs == 3, worker.log()[-2000:]  # the first run and --max-requeues more

@@ -80,10 +80,11 @@ PROGRESS = sent(streamed=False, started=True, resumable=True)
         (F.DIED, sent(streamed=False, started=True, resumes=RESUME_ATTEMPTS), RUN_AGAIN),
         (F.DIED, sent(streamed=False, started=True, resumable=False), RUN_AGAIN),
         (F.DIED, sent(streamed=False, started=True, attempt=MAX_REQUEUES + 1), FAIL),
-        # a prompt too long for the worker's context: it waits for one with more, whatever
-        # --max-requeues says
+        # a prompt too long for the worker's context: it waits for one with more, within
+        # --max-requeues (a worker that says it has more than it holds would take it forever)
         (F.TOO_LONG, sent(), WAIT),
-        (F.TOO_LONG, sent(attempt=MAX_REQUEUES + 5), WAIT),
+        (F.TOO_LONG, sent(attempt=MAX_REQUEUES), WAIT),
+        (F.TOO_LONG, sent(attempt=MAX_REQUEUES + 1), FAIL),
         (F.TOO_LONG, sent(started=True, resumable=True), FAIL),
     ],
 )
@@ -117,7 +118,7 @@ def test_every_combination_keeps_the_rule(
     if failure is F.REFUSED:
         assert step is FAIL
     elif failure is F.TOO_LONG:
-        assert step is (FAIL if started else WAIT)
+        assert step is (FAIL if started or attempt > MAX_REQUEUES else WAIT)
     else:
         # what the answer had decides, not how the run failed
         assert all(

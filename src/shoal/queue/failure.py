@@ -8,9 +8,13 @@ The rule, in the order it is applied:
 1. A failure that is the request's own, or the backend's answer to it (``REFUSED``: a 400,
    an error event mid-stream): the client gets it.
 2. A prompt longer than the worker's context (``TOO_LONG``) that produced nothing: it waits
-   for a worker with more (``need.py`` in the router), whatever ``--max-requeues`` says:
-   each refusal rules out every worker with as little context, so this ends. (A run going on
-   from tokens reports a refusal as ``REFUSED``: the worker could not go on.)
+   for a worker with more (``need.py`` in the router), while its attempts are within
+   ``--max-requeues``. Each refusal raises what the job needs, ruling out every worker that
+   says it has as little context; the bound ends it where a worker says it has more than its
+   llama-server holds (``--llama-server-args "-c N"`` overrides ``--ctx-size``), which
+   would otherwise take it back again and again: the client then gets llama-server's own
+   400. (A run going on from tokens reports a refusal as ``REFUSED``: the worker could not
+   go on.)
 3. Otherwise (the backend was not serving: ``RETRYABLE``; it died mid-answer: ``DIED``; the
    worker was lost: ``LOST``), a job whose answer can go on exactly from the ids the client
    has, with resume attempts left, **goes on**. This holds whether the client has a stream
@@ -111,7 +115,8 @@ def after_failure(failure: Failure, sent: Sent, max_requeues: int, resume_attemp
     if failure is Failure.REFUSED:
         return Next.FAIL
     if failure is Failure.TOO_LONG:
-        return Next.FAIL if sent.started else Next.WAIT_FOR_CONTEXT
+        may_wait = not sent.started and sent.attempt <= max_requeues
+        return Next.WAIT_FOR_CONTEXT if may_wait else Next.FAIL
     if sent.started and sent.resumable and sent.resumes < resume_attempts:
         return Next.GO_ON
     has_nothing = not sent.started or not sent.streamed

@@ -101,6 +101,26 @@ def test_router_refuses_open_network_without_keys(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
+def test_a_router_that_relied_on_the_clients_variable_does_not_start_open(
+    tmp_path: Path,
+) -> None:
+    """SHOAL_API_KEY was a router's key once; ignored now, a loopback router that relied on
+    it (behind a proxy, say) would serve everyone: with no API key it does not start."""
+    r = subprocess.run(
+        [sys.executable, "-m", "shoal", "router", "--port", "1"],
+        capture_output=True,
+        text=True,
+        env=clean_env(
+            SHOAL_DATABASE_URL=f"sqlite:///{tmp_path}/shoal.db", SHOAL_API_KEY="sk-operator"
+        ),
+        timeout=30,
+    )
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "refusing to start with open API routes while SHOAL_API_KEY is set" in r.stderr
+    assert "SHOAL_ROUTER_API_KEY" in r.stderr and "unset SHOAL_API_KEY" in r.stderr
+    assert "sk-operator" not in r.stderr and "Traceback" not in r.stderr
+
+
 def test_bad_option_value_is_a_clear_error() -> None:
     r = subprocess.run(
         [sys.executable, "-m", "shoal", "router", "--port", "http"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
@@ -56,7 +57,7 @@ from shoal.router.routes import metrics as metrics_routes
 from shoal.router.settings import RouterSettings
 from shoal.router.snapshot import snapshot
 from shoal.router.workers import Registry
-from shoal.settings import flag_and_variable
+from shoal.settings import CLIENT_KEY_VARIABLE, flag_and_variable
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,8 @@ def build_app(settings: RouterSettings, store: KeyStore | None = None) -> infere
         store=store,
         open_when_keyless=settings.on_loopback,
     )
-    problem = startup_problem(keys, settings.on_loopback, settings.host)
+    client_key_set = CLIENT_KEY_VARIABLE in os.environ  # what a router read before
+    problem = startup_problem(keys, settings.on_loopback, settings.host, client_key_set)
     if problem:
         raise RouterConfigError(problem)
     registry = Registry()

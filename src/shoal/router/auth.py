@@ -23,6 +23,7 @@ from shoal.keys import DatabaseError, KeyRecord, KeyStore, Queueing, Scope
 from shoal.router.errors import Forbidden, Unauthorized, Unavailable
 from shoal.router.ratelimit import RateLimits
 from shoal.security import bearer, matches
+from shoal.settings import CLIENT_KEY_VARIABLE
 
 log = logging.getLogger(__name__)
 
@@ -237,13 +238,29 @@ class StoreAccess:
         await self.keys.admin(headers)
 
 
-def startup_problem(keys: KeyCheck, on_loopback: bool, host: str) -> str | None:
+def startup_problem(
+    keys: KeyCheck, on_loopback: bool, host: str, client_key_set: bool = False
+) -> str | None:
     """Why a router on ``host`` must not start with these keys, or None. Loopback may run
-    open; beyond it clients and workers need keys (from flags or the key database)."""
+    open; beyond it clients and workers need keys (from flags or the key database).
+
+    ``client_key_set``: ``SHOAL_API_KEY`` is in the environment. A router read it as its
+    key before; one that relied on it (on loopback behind a proxy, say) would now start with
+    its API routes open, so with no API key it does not start, and says how to give it one.
+    """
+    clients_keyed = bool(keys.api_keys or keys.admin_keys or _stored(keys, CLIENT_SCOPES))
+    if on_loopback and client_key_set and not clients_keyed:
+        return (
+            f"refusing to start with open API routes while {CLIENT_KEY_VARIABLE} is set: a "
+            "router no longer reads it (it is a client's variable), and this one has no API "
+            "key. Give the router its key with SHOAL_ROUTER_API_KEY or --api-key (or `shoal "
+            f"keys create --scope inference`), or unset {CLIENT_KEY_VARIABLE} to run it open "
+            "on loopback."
+        )
     if on_loopback:
         return None
     missing = []
-    if not (keys.api_keys or keys.admin_keys or _stored(keys, CLIENT_SCOPES)):
+    if not clients_keyed:
         missing.append("API keys (--api-key, or `shoal keys create --scope inference`)")
     if not (keys.gpu_keys or _stored(keys, WORKER_SCOPES)):
         missing.append("GPU keys (--gpu-key, or `shoal keys create --scope worker`)")

@@ -5,12 +5,14 @@ Each process builds exactly one settings object (``RouterSettings``, ``WorkerSet
 variables, defaults. Flags are derived from the fields, so every flag has its env var:
 ``SHOAL_`` and the field's name, or the variable a field names itself (``Variable``).
 
-Clients and servers never share a variable. A client's shell holds its key (the OpenAI
-convention: ``OPENAI_API_KEY`` and ``OPENAI_BASE_URL``); a server reads the keys it accepts
-from a variable of its own role (``SHOAL_ROUTER_API_KEY``), so a router started from a
+No server reads an inference client's variable. A client's shell holds its key (the OpenAI
+convention: ``OPENAI_API_KEY`` and ``OPENAI_BASE_URL``); a router reads the API keys it
+accepts from a variable of its own (``SHOAL_ROUTER_API_KEY``), so a router started from a
 client's shell is not opened to that client's key. ``SHOAL_API_KEY``, which clients were told
 to export once, is read by no command; a server started where it is set says so
-(``client_key_ignored``).
+(``client_key_ignored``), and a router it left with no API key does not start. (The worker
+key, ``SHOAL_GPU_KEY``, is the one variable both sides read: the keys a router accepts from
+workers, the key a worker presents; both ends are the operator's own.)
 """
 
 from __future__ import annotations

@@ -101,6 +101,22 @@ def test_a_recorded_h100_driver_with_the_cpu_build_says_what_to_run(
     assert "runs on the CPU here" in found["model"]["fix"]
 
 
+def test_a_worker_told_to_use_no_gpu_may_run_the_cpu_build(tmp_path: Path) -> None:
+    """``--gpu-devices none``, as the worker reads it: the CPU build is what it asked for;
+    a value the worker would refuse is an error here too."""
+    driver = nvidia_h100_driver().on_path(tmp_path / "driver")
+    path = os.pathsep.join([str(driver), SYSTEM_PATH])
+    server = ("--llama-server-path", str(cpu_build()))
+
+    answer = doctor("--json", *server, "--gpu-devices", "none", path=path)
+    assert answer.returncode == 0, answer.stdout + answer.stderr
+    assert checks(answer)["llama.cpp"]["status"] == "ok"
+
+    wrong = doctor("--json", *server, "--gpu-devices", "0,x", path=path)
+    assert wrong.returncode == 1
+    assert "'x' is not a GPU index" in checks(wrong)["--gpu-devices"]["finding"]
+
+
 def test_a_driver_too_old_for_any_build_says_to_upgrade_it(tmp_path: Path) -> None:
     """H100s on driver 535 (CUDA 12.2): no release build runs there and nothing can be
     built, so the backend falls to the CPU, which is an error with the upgrade as its fix."""

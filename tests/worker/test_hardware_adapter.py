@@ -8,6 +8,7 @@ import re
 import pytest
 
 from fakes.fake_pynvml.pynvml import FakeGpu, FakeNvml
+from shoal.hardware import detect
 from shoal.hardware.profile import Accelerator, CpuInfo, GpuDevice, MachineProfile
 from shoal.hardware.telemetry import NO_GPUS, sampler_for
 from shoal.llama_cpp.devices import ComputeDevice
@@ -144,3 +145,29 @@ async def test_a_machine_without_gpus_reads_no_telemetry() -> None:
     assert probe.sampler is NO_GPUS
     reading = await probe.read()
     assert (reading.gpus, reading.gpu_free_bytes) == ((), ())
+
+
+@pytest.mark.parametrize(("gpu_devices", "read"), [("1", (1,)), ("none", ())])
+async def test_a_reading_asks_only_for_the_gpus_the_worker_uses(
+    gpu_devices: str, read: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--gpu-devices``: only those GPUs are sampled, and no tool is asked again for the
+    others (each ask may take the tool's timeout); theirs keep the free memory they had."""
+    fake = FakeNvml(
+        [
+            FakeGpu("NVIDIA RTX 4090", "GPU-a", 24 * GIB, 20 * GIB, 97, 71, 430_000, 450_000),
+            FakeGpu("NVIDIA RTX 3060", "GPU-b", 12 * GIB, 1 * GIB, 3, 40, 20_000, 170_000),
+        ]
+    )
+    used = tuple(g for g in TWO_CUDA.gpus if g.index in read)
+    asked: list[object] = []
+    monkeypatch.setattr(detect, "_free_by_index", lambda *a: asked.append(a) or {})
+    probe = MemoryProbe(TWO_CUDA, gpu_devices, sampler=sampler_for(used, load_nvml=lambda: fake))
+    reading = await probe.read()
+    assert [g.index for g in reading.gpus] == list(read)
+    fresh = {0: 4 * GIB, 1: 11 * GIB}
+    expected = tuple(
+        fresh[g.index] if g.index in read else g.memory_free_bytes for g in TWO_CUDA.gpus
+    )
+    assert reading.gpu_free_bytes == expected and asked == []
+    assert MemoryProbe(TWO_CUDA, "none").sampler is NO_GPUS

@@ -33,7 +33,7 @@ from shoal.cli.doctor_checks import (
     summary,
 )
 from shoal.cli.errors import settings_for
-from shoal.hardware.detect import detect_machine
+from shoal.hardware.detect import detect_machine, parse_gpu_devices
 from shoal.hardware.profile import MachineProfile
 from shoal.llama_cpp.backend import BackendChoice, MachineFacts, choose_backend
 from shoal.llama_cpp.devices import list_devices
@@ -46,6 +46,7 @@ from shoal.models.default import DEFAULT_MODEL
 from shoal.models.errors import ModelError
 from shoal.models.resolve import FitContext, decide
 from shoal.protocol.messages import PROTOCOL_VERSION, RefusalCode
+from shoal.worker.hardware import HardwareError, selected
 from shoal.worker.link import Refusal, client_tls_context
 from shoal.worker.settings import WorkerSettings
 
@@ -92,7 +93,12 @@ def run_checks(settings: WorkerSettings, path_env: str | None) -> list[Check]:
         checks.append(Check("backend", "error", str(exc), "leave --llama-cpp-backend on auto"))
     if choice is not None:
         checks.append(backend_check(choice, _assets(choice, facts)))
-    llama = _binary(settings, path_env, choice, profile)
+    try:
+        used = selected(profile, settings.gpu_devices)  # the worker's own rule
+    except HardwareError as exc:
+        fix = "give the indices listed above, or none for the CPU only"
+        return [*checks, Check("--gpu-devices", "error", str(exc), fix)]
+    llama = _binary(settings, path_env, choice, used)
     checks.append(llama)
     checks.append(_model(settings, profile, on_cpu_only=llama.status == "error"))
     checks.append(_router(settings))
@@ -143,19 +149,15 @@ def _model(settings: WorkerSettings, profile: MachineProfile, *, on_cpu_only: bo
         profile,
         ctx_total=settings.ctx_size * settings.slots,
         slots=settings.slots,
-        gpu_indices=_indices(settings.gpu_devices),
+        gpu_indices=None
+        if settings.gpu_devices is None
+        else parse_gpu_devices(settings.gpu_devices),
     )
     try:
         decision = decide(entry, settings.cache_dir, quantization=settings.quantization, fit=fit)
     except ModelError as exc:
         return model_check(model, str(exc), on_cpu_only, note)
     return model_check(model, decision, on_cpu_only, note)
-
-
-def _indices(gpu_devices: str | None) -> tuple[int, ...] | None:
-    if gpu_devices is None:
-        return None
-    return tuple(int(i) for i in gpu_devices.split(",") if i.strip().isdigit())
 
 
 def _router(settings: WorkerSettings) -> Check:

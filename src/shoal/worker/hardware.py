@@ -4,6 +4,7 @@ telemetry refreshed for heartbeats, and turned into llama-server's device argume
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from shoal.hardware.detect import (
     refresh_free_memory,
     split_args,
 )
-from shoal.hardware.profile import GpuDevice, MachineProfile
+from shoal.hardware.profile import MachineProfile
 from shoal.hardware.telemetry import GpuSampler, sampler_for
 from shoal.llama_cpp.backend import BackendChoice
 from shoal.llama_cpp.binaries import Binaries
@@ -129,13 +130,23 @@ def device_environment(profile: MachineProfile, gpu_devices: str | None) -> dict
     return device_env(selected(profile, gpu_devices).gpus)
 
 
-def _used(profile: MachineProfile, gpu_devices: str | None) -> tuple[GpuDevice, ...]:
-    """The GPUs ``--gpu-devices`` gives the worker (none: no GPU to sample); all of them when
-    the value is wrong, which the worker's plan reports."""
+def _used(profile: MachineProfile, gpu_devices: str | None) -> MachineProfile:
+    """``selected`` for the heartbeat's readings: every GPU when ``--gpu-devices`` is wrong
+    (the worker's plan refuses it, naming the flag; a reading need not fail first)."""
     try:
-        return selected(profile, gpu_devices).gpus
+        return selected(profile, gpu_devices)
     except HardwareError:
-        return profile.gpus
+        return profile
+
+
+def _with_fresh(profile: MachineProfile, fresh: MachineProfile) -> MachineProfile:
+    """``profile`` with the free RAM and the GPUs that ``fresh`` (a part of it) read anew."""
+    by_index = {g.index: g for g in fresh.gpus}
+    return dataclasses.replace(
+        profile,
+        ram_available_bytes=fresh.ram_available_bytes,
+        gpus=tuple(by_index.get(g.index, g) for g in profile.gpus),
+    )
 
 
 def shard_devices(
@@ -158,9 +169,6 @@ def shard_devices(
         for d in listed
     )
 
-
-def _free(listed: ComputeDevice, fresh: GpuDevice | None) -> int:
-    return listed.free_bytes if fresh is None else fresh.usable_bytes
 
 
 def stage_memory(
@@ -203,7 +211,8 @@ class MemoryProbe:
         self.profile = profile
         self.gpu_devices = gpu_devices
         self.stage_devices = stage_devices
-        self.sampler = sampler if sampler is not None else sampler_for(_used(profile, gpu_devices))
+        used = _used(profile, gpu_devices).gpus  # --gpu-devices none: no GPU to read
+        self.sampler = sampler if sampler is not None else sampler_for(used)
         self._lock = threading.Lock()  # a heartbeat and a worker-list write may overlap
 
     def stage_memory(self) -> int | None:
@@ -224,5 +233,6 @@ class MemoryProbe:
     def _measure(self, profile: MachineProfile) -> tuple[MachineProfile, tuple[GpuSample, ...]]:
         with self._lock:
             gpus = self.sampler.sample()
-            fresh = refresh_free_memory(profile, measured=telemetry.free_bytes(gpus))
-        return fresh, gpus
+            used = _used(profile, self.gpu_devices)  # the others' tools are not asked
+            fresh = refresh_free_memory(used, measured=telemetry.free_bytes(gpus))
+        return _with_fresh(profile, fresh), gpus

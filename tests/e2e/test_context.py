@@ -22,6 +22,7 @@ import pytest
 import redis
 
 from cluster import API_KEY, MODEL, Cluster, Proc, Router, iter_sse
+from shoal.queue.failure import CONTEXT_REFUSALS
 
 pytestmark = pytest.mark.e2e
 
@@ -204,8 +205,8 @@ def test_a_worker_that_says_it_holds_more_than_it_does_ends_in_llama_servers_400
 ) -> None:
     """``--llama-server-args "-c 256"`` overrides ``--ctx-size 512``: the worker says 512,
     its llama-server holds 256. A prompt of ~380 tokens fits what it says, so the router gives
-    it back after each refusal; within ``--max-requeues`` the client gets llama-server's own
-    400 (it used to go round until the client gave up)."""
+    it back after each refusal; after ``CONTEXT_REFUSALS`` runs beyond ``--max-requeues``
+    the client gets llama-server's own 400 (it used to go round until the client gave up)."""
     router = cluster.router("--max-requeues", "2")
     worker = cluster.worker(
         router, "--slots", "1", "--ctx-size", "512", "--llama-server-args", "-c 256", name="liar"
@@ -215,4 +216,4 @@ def test_a_worker_that_says_it_holds_more_than_it_does_ends_in_llama_servers_400
     assert r.status_code == 400, r.text[:300]
     assert "exceeds the available context size" in r.json()["error"]["message"]
     runs = worker.log().count(f"job {r.headers['x-request-id']} model=")
-    assert runs == 3, worker.log()[-2000:]  # the first run and --max-requeues more
+    assert runs == 1 + 2 + CONTEXT_REFUSALS, worker.log()[-2000:]

@@ -12,7 +12,7 @@ import pytest
 from shoal.protocol.ids import JobId
 from shoal.protocol.messages import Continuation, Endpoint, ErrorBody, JobFailed
 from shoal.queue.answer import AnswerSoFar
-from shoal.queue.failure import Failure, Next, Sent, after_failure, failure_of
+from shoal.queue.failure import CONTEXT_REFUSALS, Failure, Next, Sent, after_failure, failure_of
 
 MAX_REQUEUES, RESUME_ATTEMPTS = 2, 2
 ERROR = ErrorBody(message="x", type="server_error")
@@ -80,11 +80,12 @@ PROGRESS = sent(streamed=False, started=True, resumable=True)
         (F.DIED, sent(streamed=False, started=True, resumes=RESUME_ATTEMPTS), RUN_AGAIN),
         (F.DIED, sent(streamed=False, started=True, resumable=False), RUN_AGAIN),
         (F.DIED, sent(streamed=False, started=True, attempt=MAX_REQUEUES + 1), FAIL),
-        # a prompt too long for the worker's context: it waits for one with more, within
-        # --max-requeues (a worker that says it has more than it holds would take it forever)
+        # a prompt too long for the worker's context: it waits for one with more, for a few
+        # runs beyond --max-requeues (a worker that says it has more than it holds would
+        # take it back forever)
         (F.TOO_LONG, sent(), WAIT),
-        (F.TOO_LONG, sent(attempt=MAX_REQUEUES), WAIT),
-        (F.TOO_LONG, sent(attempt=MAX_REQUEUES + 1), FAIL),
+        (F.TOO_LONG, sent(attempt=MAX_REQUEUES + CONTEXT_REFUSALS), WAIT),
+        (F.TOO_LONG, sent(attempt=MAX_REQUEUES + CONTEXT_REFUSALS + 1), FAIL),
         (F.TOO_LONG, sent(started=True, resumable=True), FAIL),
     ],
 )
@@ -98,7 +99,7 @@ EVERY = list(
         [True, False],  # streamed
         [True, False],  # started
         [True, False],  # resumable
-        range(1, MAX_REQUEUES + 3),  # attempt
+        range(1, MAX_REQUEUES + CONTEXT_REFUSALS + 3),  # attempt
         range(RESUME_ATTEMPTS + 2),  # resumes
     )
 )
@@ -118,7 +119,7 @@ def test_every_combination_keeps_the_rule(
     if failure is F.REFUSED:
         assert step is FAIL
     elif failure is F.TOO_LONG:
-        assert step is (FAIL if started or attempt > MAX_REQUEUES else WAIT)
+        assert step is (FAIL if started or attempt > MAX_REQUEUES + CONTEXT_REFUSALS else WAIT)
     else:
         # what the answer had decides, not how the run failed
         assert all(

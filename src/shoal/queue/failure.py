@@ -8,13 +8,13 @@ The rule, in the order it is applied:
 1. A failure that is the request's own, or the backend's answer to it (``REFUSED``: a 400,
    an error event mid-stream): the client gets it.
 2. A prompt longer than the worker's context (``TOO_LONG``) that produced nothing: it waits
-   for a worker with more (``need.py`` in the router), while its attempts are within
-   ``--max-requeues``. Each refusal raises what the job needs, ruling out every worker that
-   says it has as little context; the bound ends it where a worker says it has more than its
-   llama-server holds (``--llama-server-args "-c N"`` overrides ``--ctx-size``), which
-   would otherwise take it back again and again: the client then gets llama-server's own
-   400. (A run going on from tokens reports a refusal as ``REFUSED``: the worker could not
-   go on.)
+   for a worker with more (``need.py`` in the router), for up to ``CONTEXT_REFUSALS`` runs
+   beyond ``--max-requeues`` (a refusal is no lost worker, so it does not spend those).
+   Each refusal raises what the job needs, ruling out every worker that says it has as
+   little context; the bound ends it where a worker says it has more than its llama-server
+   holds (``--llama-server-args "-c N"`` overrides ``--ctx-size``), which would otherwise
+   take it back again and again: the client then gets llama-server's own 400. (A run going
+   on from tokens reports a refusal as ``REFUSED``: the worker could not go on.)
 3. Otherwise (the backend was not serving: ``RETRYABLE``; it died mid-answer: ``DIED``; the
    worker was lost: ``LOST``), a job whose answer can go on exactly from the ids the client
    has, with resume attempts left, **goes on**. This holds whether the client has a stream
@@ -51,6 +51,11 @@ from dataclasses import dataclass
 
 from shoal.protocol.messages import Endpoint, JobFailed
 from shoal.queue.answer import AnswerSoFar
+
+CONTEXT_REFUSALS = 3
+"""Runs a job refused for its context may have beyond ``--max-requeues`` (rule 2): enough to
+climb through the context sizes a fleet has, few enough that a worker which says it holds
+more than it does ends the job soon."""
 
 
 class Failure(enum.Enum):
@@ -115,7 +120,7 @@ def after_failure(failure: Failure, sent: Sent, max_requeues: int, resume_attemp
     if failure is Failure.REFUSED:
         return Next.FAIL
     if failure is Failure.TOO_LONG:
-        may_wait = not sent.started and sent.attempt <= max_requeues
+        may_wait = not sent.started and sent.attempt <= max_requeues + CONTEXT_REFUSALS
         return Next.WAIT_FOR_CONTEXT if may_wait else Next.FAIL
     if sent.started and sent.resumable and sent.resumes < resume_attempts:
         return Next.GO_ON

@@ -170,7 +170,6 @@ def shard_devices(
     )
 
 
-
 def stage_memory(
     profile: MachineProfile, gpu_devices: str | None, listed: tuple[ComputeDevice, ...]
 ) -> int | None:

@@ -65,8 +65,13 @@ def canonical(body: Mapping[str, object]) -> bytes:
 def prefix_chain(model: str, body: Mapping[str, object]) -> tuple[int, ...]:
     """The chained hashes of ``body``'s whole blocks (at most ``MAX_BLOCKS``), seeded with
     the model's name so equal text for two models never matches."""
-    data = canonical(body)
-    n = min(len(data) // BLOCK_BYTES, MAX_BLOCKS)
+    return chain_of(model, canonical(body), MAX_BLOCKS)
+
+
+def chain_of(model: str, data: bytes, limit: int) -> tuple[int, ...]:
+    """The chained hashes of the first ``limit`` whole blocks of ``data`` (``canonical``):
+    the first ``MAX_BLOCKS`` are ``prefix_chain``'s, whatever ``limit``."""
+    n = min(len(data) // BLOCK_BYTES, limit)
     chain: list[int] = []
     prev = hashlib.blake2b(model.encode(), digest_size=8).digest()
     for i in range(n):

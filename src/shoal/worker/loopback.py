@@ -1,12 +1,9 @@
-"""HTTP to the llama-server this worker runs (or attaches to): connection pools and a POST
-that survives a connection the server closed.
+"""HTTP to the llama-server this worker runs (or attaches to): its connection pool and a
+POST that survives a connection the server closed.
 
 llama-server closes a connection after each streamed answer, and aiohttp may hand such a
 connection out again before it notices. A POST that fails to go out on it reached nothing,
-so ``post`` sends it once more on a fresh connection. The worker keeps two pools
-(``session``): one for the jobs, one for the short calls that pin each job to a slot
-(``pinning.py``), so those calls find connections that short answers kept open instead of
-the ones streamed answers left closed.
+so ``post`` sends it once more on a fresh connection.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ TIMEOUT = aiohttp.ClientTimeout(total=None, connect=10.0, sock_connect=10.0)
 
 
 def session() -> aiohttp.ClientSession:
-    """A connection pool to the worker's llama-server."""
+    """The connection pool to the worker's llama-server."""
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
     return aiohttp.ClientSession(connector=connector, timeout=TIMEOUT)
 

@@ -51,6 +51,17 @@ def test_a_content_chain_is_prefix_closed() -> None:
     assert chain(b"x" * (BLOCK_BYTES - 1)) == ()
 
 
+def test_with_its_tail_a_prompt_shorter_than_a_block_matches_itself() -> None:
+    short = chain_of("m", b"Explain why the sky is blue.", SLOT_MAX_BLOCKS, tail=True)
+    other = chain_of("m", b"Write a short poem about the sea.", SLOT_MAX_BLOCKS, tail=True)
+    assert len(short) == 1 and shared_blocks(short, short) == 1
+    assert shared_blocks(other, short) == 0
+    longer = chain_of("m", A_TEXT + b"tail", SLOT_MAX_BLOCKS, tail=True)
+    assert longer[: len(A)] == A and len(longer) == len(A) + 1  # whole blocks as without
+    slots = [Slot(0, other, last_used=1), Slot(1, short, last_used=2)]
+    assert choose_slot(slots, short) == 1  # back to the slot holding it, not the LRU one
+
+
 @pytest.mark.parametrize(
     ("prompt", "held", "expected"),
     [
@@ -82,22 +93,24 @@ def test_a_short_prompt_leaves_a_long_cached_prefix_alone() -> None:
 async def test_hold_tracks_reports_and_waits() -> None:
     reports: list[tuple[int, ...]] = []
     table = SlotTable(1, reports.append)
-    async with table.hold(A) as (slot, reused):
+    async with table.hold(A, (11, 12)) as (slot, reused):
         assert (slot, reused) == (0, 0)
-        assert reports == [tuple(sorted(A))]
-        waiting = asyncio.create_task(_hold_once(table, A_THEN_MORE))
+        assert reports == [(11, 12)]
+        waiting = asyncio.create_task(_hold_once(table, A_THEN_MORE, (11, 12, 13)))
         await asyncio.sleep(0)
         assert not waiting.done()  # the only slot is busy: it waits here
     assert await waiting == (0, A_TOKENS)  # then reuses what the first left
-    assert reports[-1] == tuple(sorted(A_THEN_MORE))
+    assert reports[-1] == (11, 12, 13)
     table.reset("llama-server restarted")
     assert reports[-1] == () and table.summary() == ()
-    async with table.hold(A) as (_, reused):
+    async with table.hold(A, (11,)) as (_, reused):
         assert reused == 0  # a restarted llama-server holds nothing
 
 
-async def _hold_once(table: SlotTable, prompt: tuple[int, ...]) -> tuple[int, int]:
-    async with table.hold(prompt) as got:
+async def _hold_once(
+    table: SlotTable, prompt: tuple[int, ...], content: tuple[int, ...] = ()
+) -> tuple[int, int]:
+    async with table.hold(prompt, content) as got:
         return got
 
 
@@ -122,7 +135,7 @@ async def test_a_job_waits_for_the_busy_slot_computing_its_prefix() -> None:
     rather than compute the same prefix again in another slot."""
     table = SlotTable(2, lambda _: None)
     table.s_per_token = 10.0  # recomputing would take ages: wait as long as it takes
-    async with table.hold(A) as (first, _):
+    async with table.hold(A, ()) as (first, _):
         second = asyncio.create_task(_hold_once(table, A_THEN_MORE))
         await asyncio.sleep(0)
         assert not second.done()  # the other slot is idle, but holds none of it
@@ -132,7 +145,7 @@ async def test_a_job_waits_for_the_busy_slot_computing_its_prefix() -> None:
 async def test_the_wait_for_a_busy_slot_is_bounded() -> None:
     table = SlotTable(2, lambda _: None)
     table.s_per_token = 0.0001  # recomputing is quick: wait ~64 ms at most
-    async with table.hold(A) as (first, _):
+    async with table.hold(A, ()) as (first, _):
         slot, reused = await _hold_once(table, A_THEN_MORE)
         assert slot != first and reused == 0
 
@@ -160,7 +173,7 @@ async def test_until_measured_a_job_waits_for_the_slot_holding_its_prefix() -> N
     waits for the busy slot holding its prefix rather than compute it again at once."""
     table = SlotTable(2, lambda _: None)
     assert math.isinf(table.s_per_token)
-    async with table.hold(A) as (first, _):
+    async with table.hold(A, ()) as (first, _):
         second = asyncio.create_task(_hold_once(table, A_THEN_MORE))
         await asyncio.sleep(0.05)
         assert not second.done()
@@ -174,7 +187,7 @@ async def test_until_measured_a_job_waits_for_the_slot_holding_its_prefix() -> N
 
 async def test_a_job_waiting_until_measured_looks_again_once_measured() -> None:
     table = SlotTable(2, lambda _: None)
-    async with table.hold(A) as (first, _):  # a long answer, say
+    async with table.hold(A, ()) as (first, _):  # a long answer, say
         second = asyncio.create_task(_hold_once(table, A_THEN_MORE))
         await asyncio.sleep(0.05)
         assert not second.done()  # the speed is not known: it waits

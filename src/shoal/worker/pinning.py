@@ -1,10 +1,12 @@
 """Pinning each text job to a llama-server slot by its content, then ``SlotTable``.
 
 The slot is chosen from the request alone: its content chain (``protocol.prefix.chain_of``,
-the same blocks and hashes the router matches on, the first ``slots.SLOT_MAX_BLOCKS``),
-so no call to llama-server comes before the completion is sent. (Asking llama-server for the
-prompt's exact tokens, ``/apply-template`` then ``/tokenize``, cost two serial loopback
-round trips on every job: 4.6 ms of the 5.8 ms Shoal added to the first token on an H100.)
+the same blocks and hashes the router matches on, the first ``slots.SLOT_MAX_BLOCKS``, and
+one for the bytes after the last whole block, so that a prompt shorter than a block goes back
+to the slot that holds it), so no call to llama-server comes before the completion is sent.
+(Asking llama-server for the prompt's exact tokens, ``/apply-template`` then ``/tokenize``,
+cost two serial loopback round trips on every job: 4.6 ms of the 5.8 ms Shoal added to the
+first token on an H100.)
 
 Each time llama-server becomes ready, ``run_measure`` computes one short prompt
 (``MEASURE_PROMPT``, about 128 tokens, not cached) on a slot it takes like a job and sets the
@@ -27,7 +29,7 @@ import aiohttp
 import orjson
 
 from shoal.protocol.messages import Endpoint, JobStart
-from shoal.protocol.prefix import BYTES_PER_TOKEN, canonical, chain_of
+from shoal.protocol.prefix import BLOCK_BYTES, BYTES_PER_TOKEN, MAX_BLOCKS, canonical, chain_of
 from shoal.worker import loopback
 from shoal.worker.slots import SLOT_MAX_BLOCKS, SlotTable
 
@@ -80,7 +82,7 @@ class SlotPinning:
         table's prompt speed."""
         body = {"prompt": MEASURE_PROMPT, "n_predict": 1, "cache_prompt": False}
         try:
-            async with self.table.hold(()) as (slot, _):
+            async with self.table.hold((), ()) as (slot, _):
                 got = await self._post("/completion", {**body, "id_slot": slot}, MEASURE_TIMEOUT)
         except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
             log.warning("could not measure llama-server's prompt speed: %r", exc)
@@ -102,10 +104,11 @@ class SlotPinning:
         if job.endpoint not in PINNED:
             yield None
             return
-        content = canonical(job.body)
-        blocks = chain_of(job.model, content, SLOT_MAX_BLOCKS)
-        async with self.table.hold(blocks) as (slot, reused):
-            tokens = max(int(len(content) / BYTES_PER_TOKEN), reused)
+        data = canonical(job.body)
+        blocks = chain_of(job.model, data, SLOT_MAX_BLOCKS, tail=True)
+        content = blocks[: min(len(data) // BLOCK_BYTES, MAX_BLOCKS)]  # the router's chain
+        async with self.table.hold(blocks, content) as (slot, reused):
+            tokens = max(int(len(data) / BYTES_PER_TOKEN), reused)
             log.debug(
                 "job %s: slot %d, ~%d of ~%d prompt tokens held", job.job_id, slot, reused, tokens
             )

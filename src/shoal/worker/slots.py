@@ -5,7 +5,8 @@ common prefix when the next request on that slot shares it. The worker picks the
 itself (the request's ``id_slot``), so it knows what every slot holds:
 
 * a slot's holding is its last request's content chain (``protocol/prefix.py``: the
-  messages or prompt in 256-byte blocks, chained hashes, the first ``SLOT_MAX_BLOCKS``),
+  messages or prompt in 256-byte blocks, chained hashes, the first ``SLOT_MAX_BLOCKS``, and
+  one for the bytes after the last whole block),
   computed here from the request alone, so that no call to llama-server comes before the
   completion. A chat template renders messages in order, so two requests whose content
   shares its first blocks share the prompt's leading tokens up to about there (a block is
@@ -52,7 +53,7 @@ import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from shoal.protocol.prefix import MAX_BLOCKS, expected_tokens
+from shoal.protocol.prefix import expected_tokens
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,8 @@ class Slot:
     id: int
     blocks: tuple[int, ...] = ()
     """The content chain of the prompt it last ran (``protocol.prefix.chain_of``)."""
+    content: tuple[int, ...] = ()
+    """Its whole blocks, the first ``prefix.MAX_BLOCKS``: what the router matches."""
     busy: bool = False
     computing: bool = False
     """Busy with a job whose prompt is not computed yet (no output so far)."""
@@ -173,13 +176,15 @@ class SlotTable:
 
     def summary(self) -> tuple[int, ...]:
         """The content hashes the slots hold, sorted: what the router matches on."""
-        return tuple(sorted({h for slot in self.slots for h in slot.blocks[:MAX_BLOCKS]}))
+        return tuple(sorted({h for slot in self.slots for h in slot.content}))
 
     @contextlib.asynccontextmanager
-    async def hold(self, blocks: tuple[int, ...]) -> AsyncIterator[tuple[int, int]]:
-        """Take a slot for one job whose content chain is ``blocks``; yields the slot's id
-        and the prompt tokens it is expected to reuse (roughly: ``TOKENS_PER_BLOCK``). The
-        slot is free again when the block exits."""
+    async def hold(
+        self, blocks: tuple[int, ...], content: tuple[int, ...]
+    ) -> AsyncIterator[tuple[int, int]]:
+        """Take a slot for one job whose content chain is ``blocks`` (``content``: the part
+        the router matches); yields the slot's id and the prompt tokens it is expected to
+        reuse (roughly: ``TOKENS_PER_BLOCK``). The slot is free again when the block exits."""
         loop = asyncio.get_running_loop()
         since: float | None = None  # when it started to wait for a busy slot holding more
         while True:
@@ -199,8 +204,8 @@ class SlotTable:
         reused = shared_blocks(blocks, slot.blocks) * TOKENS_PER_BLOCK
         self._taken += 1
         slot.busy, slot.computing, slot.last_used = True, True, self._taken
-        changed = slot.blocks[:MAX_BLOCKS] != blocks[:MAX_BLOCKS]
-        slot.blocks = blocks
+        changed = slot.content != content
+        slot.blocks, slot.content = blocks, content
         if changed:
             self._on_change(self.summary())
         try:
@@ -230,8 +235,8 @@ class SlotTable:
 
     def reset(self, why: str) -> None:
         """llama-server (re)started: every slot is empty."""
-        if any(slot.blocks for slot in self.slots):
+        if any(slot.blocks or slot.content for slot in self.slots):
             log.info("slot holdings cleared: %s", why)
             for slot in self.slots:
-                slot.blocks = ()
+                slot.blocks, slot.content = (), ()
             self._on_change(())

@@ -66,6 +66,10 @@ class BackendTarget:
     """Streams always ask for their usage (``stream_options.include_usage``): an attached
     server counts their tokens nowhere else (llama-server's ``timings`` do); the router
     charges it and keeps it from a client that did not ask (``router/usage.py``)."""
+    spare_path: str | None = None
+    """A cheap GET the backend answers: each job's connection is closed as it ends and one
+    is opened for the next job with it (``loopback.open_spare``). None: connections are
+    pooled as they come."""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -194,6 +198,11 @@ class Backend:
                     progress.on_first = functools.partial(self.pinning.first_output, pin)
                 async with await self._post(url, self._request_body(job, pin)) as resp:
                     await self._answer(job, resp, out, progress)
+                    if self.target.spare_path is not None:
+                        resp.close()  # (llama-server closes it after a stream anyway)
+            if self.target.spare_path is not None:  # for the next job, the slot free
+                spare = self.base_url() + self.target.spare_path
+                await loopback.open_spare(self.session, spare, self.target.headers)
         except (
             aiohttp.ClientError,
             TimeoutError,

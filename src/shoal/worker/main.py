@@ -485,7 +485,9 @@ async def _target(
 ) -> BackendTarget:
     api_key = settings.backend_api_key.get_secret_value() if settings.backend_api_key else None
     if isinstance(supervisor, LlamaServer):
-        return BackendTarget(the_plan.model.name, stream_upstream=True, token_ids=True)
+        return BackendTarget(
+            the_plan.model.name, stream_upstream=True, token_ids=True, spare_path="/health"
+        )
     backend_model = settings.backend_model
     if backend_model is None:
         await supervisor.ready.wait()
@@ -493,4 +495,6 @@ async def _target(
         backend_model = await discover_model(session, supervisor.url, headers)
         log.info("attached backend %s serves %r", supervisor.url, backend_model)
     rename = backend_model if backend_model != the_plan.model.name else None
-    return BackendTarget(the_plan.model.name, rename, api_key, ask_usage=True)
+    return BackendTarget(
+        the_plan.model.name, rename, api_key, ask_usage=True, spare_path="/v1/models"
+    )

@@ -284,6 +284,37 @@ def table_rows(results: dict[str, dict[str, dict[str, dict[str, float]]]]) -> li
     return rows
 
 
+def verdicts(results: dict[str, dict[str, dict[str, dict[str, float]]]]) -> list[dict[str, object]]:
+    """One row per backend and stream count, against the targets (after ``table_rows``): what
+    ``benchmarks/gpu_check.py`` reads back."""
+    out: list[dict[str, object]] = []
+    for key, backends in results.items():
+        for backend, pair in backends.items():
+            added = pair["added"]
+            missed = [
+                name
+                for name, over in (
+                    ("TTFT", added["added_ttft_p50_ms"] > TTFT_TARGET_MS.get(key, 3.0)),
+                    ("gap", added["added_gap_p50_ms"] > GAP_TARGET_MS),
+                    ("throughput", added["throughput_ratio"] < THROUGHPUT_TARGET),
+                )
+                if over
+            ]
+            out.append(
+                {
+                    "backend": backend,
+                    "streams": int(key[1:]),
+                    "direct_ttft_ms": pair["direct"]["ttft_p50_ms"],
+                    "shoal_ttft_ms": pair["router"]["ttft_p50_ms"],
+                    "added_ttft_ms": added["added_ttft_p50_ms"],
+                    "added_gap_ms": added["added_gap_p50_ms"],
+                    "throughput_ratio": added["throughput_ratio"],
+                    "verdict": "ok" if not missed else "over target: " + ", ".join(missed),
+                }
+            )
+    return out
+
+
 def main() -> None:
     args = parse_args()
     slots = max(args.concurrency)
@@ -330,6 +361,7 @@ def main() -> None:
         {
             "config": {**vars(args), "model_path": str(model)},
             "load_average": {"before": load_before, "after": load_after},
+            "rows": verdicts(results),
             "results": results,
             "targets": {
                 "added_ttft_p50_ms": TTFT_TARGET_MS,

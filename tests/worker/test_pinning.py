@@ -1,4 +1,5 @@
-"""Pinning survives a pooled connection that llama-server had closed.
+"""Pinning a job to a slot asks nothing of llama-server; a POST to it survives a pooled
+connection that llama-server had closed.
 
 The server here is a fake llama-server (a few lines of raw HTTP/1.1): the real one closes a
 connection after a streamed answer at a moment a test cannot choose, and this one closes its
@@ -17,6 +18,8 @@ import pytest
 
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import Endpoint, JobStart
+from shoal.protocol.prefix import prefix_chain
+from shoal.worker import loopback
 from shoal.worker.pinning import SlotPinning
 from shoal.worker.slots import SlotTable
 
@@ -74,24 +77,52 @@ async def server() -> AsyncIterator[tuple[ClosingServer, str]]:
         yield fake, f"http://127.0.0.1:{port}"
 
 
-async def test_a_job_is_pinned_by_its_tokens_after_a_stale_connection(
-    server: tuple[ClosingServer, str],
-) -> None:
-    fake, url = server
-    table = SlotTable(2, lambda _: None)
-    job = JobStart(
-        job_id=JobId("j1"),
+def chat(job_id: str, system: str, question: str) -> JobStart:
+    return JobStart(
+        job_id=JobId(job_id),
         model=ModelName("m"),
         endpoint=Endpoint.CHAT,
         stream=True,
-        body={"messages": [{"role": "user", "content": "hello"}]},
+        body={
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ]
+        },
     )
+
+
+async def test_a_job_is_pinned_by_its_content_without_asking_llama_server(
+    server: tuple[ClosingServer, str],
+) -> None:
+    fake, url = server
+    reports: list[tuple[int, ...]] = []
+    table = SlotTable(2, reports.append)
+    system = " ".join(f"Rule {i}: answer in one short sentence." for i in range(60))
+    first, second = chat("j1", system, "Hi?"), chat("j2", system, "And you?")
+    async with aiohttp.ClientSession() as session:
+        pinning = SlotPinning(table, session, lambda: url)
+        async with pinning.pin(first) as pin:
+            assert pin is not None and pin.expected_reuse == 0
+        async with pinning.pin(chat("j0", "Another tenant.", "Hi?")) as other:
+            assert other is not None and other.slot != pin.slot  # the least recently used
+        async with pinning.pin(second) as again:
+            assert again is not None
+    assert fake.connections == 0 and fake.answered == []  # no round trip before a completion
+    assert again.slot == pin.slot  # the slot holding the shared system prompt
+    assert again.expected_reuse > 0
+    assert set(prefix_chain(second.model, second.body)) <= set(reports[-1])  # what the router sees
+
+
+async def test_a_post_goes_again_after_a_stale_connection(
+    server: tuple[ClosingServer, str],
+) -> None:
+    fake, url = server
     connector = aiohttp.TCPConnector(limit=1)  # the second call reuses the first connection
     async with aiohttp.ClientSession(connector=connector) as session:
-        pinning = SlotPinning(table, session, lambda: url)
-        async with pinning.pin(job) as pin:
-            assert pin is not None
-            assert pin.prompt_tokens == len(TOKENS)  # not 0: the tokenize call was posted again
+        for path in ("/apply-template", "/tokenize"):
+            async with await loopback.post(session, url + path, b"{}") as resp:
+                assert resp.status == 200
+                assert orjson.loads(await resp.read())  # not lost with the stale connection
     assert fake.connections == 2
     assert fake.answered == ["/apply-template", "/tokenize"]
-    assert len(table.slots[pin.slot].blocks) == len(TOKENS) // 16

@@ -65,8 +65,15 @@ def canonical(body: Mapping[str, object]) -> bytes:
 def prefix_chain(model: str, body: Mapping[str, object]) -> tuple[int, ...]:
     """The chained hashes of ``body``'s whole blocks (at most ``MAX_BLOCKS``), seeded with
     the model's name so equal text for two models never matches."""
-    data = canonical(body)
-    n = min(len(data) // BLOCK_BYTES, MAX_BLOCKS)
+    return chain_of(model, canonical(body), MAX_BLOCKS)
+
+
+def chain_of(model: str, data: bytes, limit: int, *, tail: bool = False) -> tuple[int, ...]:
+    """The chained hashes of the first ``limit`` whole blocks of ``data`` (``canonical``),
+    and with ``tail`` one more for the bytes after the last whole block (if any, and under
+    ``limit``): equal data then matches to its end, a prompt shorter than a block included.
+    The first ``MAX_BLOCKS`` whole blocks are ``prefix_chain``'s, whatever ``limit``."""
+    n = min(len(data) // BLOCK_BYTES, limit)
     chain: list[int] = []
     prev = hashlib.blake2b(model.encode(), digest_size=8).digest()
     for i in range(n):
@@ -74,6 +81,11 @@ def prefix_chain(model: str, body: Mapping[str, object]) -> tuple[int, ...]:
             prev + data[i * BLOCK_BYTES : (i + 1) * BLOCK_BYTES], digest_size=8
         ).digest()
         chain.append(int.from_bytes(prev, "big") >> 1)  # 63 bits: a plain int everywhere
+    rest = data[n * BLOCK_BYTES :]
+    if tail and n < limit and 0 < len(rest) < BLOCK_BYTES:
+        # a part block hashes other bytes than any whole block there: it never matches one
+        prev = hashlib.blake2b(prev + rest, digest_size=8).digest()
+        chain.append(int.from_bytes(prev, "big") >> 1)
     return tuple(chain)
 
 

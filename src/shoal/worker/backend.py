@@ -66,6 +66,10 @@ class BackendTarget:
     """Streams always ask for their usage (``stream_options.include_usage``): an attached
     server counts their tokens nowhere else (llama-server's ``timings`` do); the router
     charges it and keeps it from a client that did not ask (``router/usage.py``)."""
+    spare_path: str | None = None
+    """A cheap GET the backend answers: each job's connection is closed as it ends and one
+    is opened for the next job with it (``loopback.open_spare``). None: connections are
+    pooled as they come."""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -73,6 +77,14 @@ class BackendTarget:
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         return headers
+
+    @property
+    def job_headers(self) -> dict[str, str]:
+        """A job's: with a spare, its connection is closed with its answer, never pooled
+        (llama-server closes it after a stream, which the pool may not notice in time)."""
+        if self.spare_path is None:
+            return self.headers
+        return {**self.headers, "Connection": "close"}
 
 
 async def sse_data(content: aiohttp.StreamReader) -> AsyncIterator[list[str]]:
@@ -179,7 +191,7 @@ class Backend:
         return data
 
     async def _post(self, url: str, body: bytes) -> aiohttp.ClientResponse:
-        return await loopback.post(self.session, url, body, self.target.headers)
+        return await loopback.post(self.session, url, body, self.target.job_headers)
 
     async def run(self, job: JobStart, out: JobSink) -> None:
         """Run ``job``; every outcome is reported through ``out``. Cancel to stop it."""
@@ -194,6 +206,9 @@ class Backend:
                     progress.on_first = functools.partial(self.pinning.first_output, pin)
                 async with await self._post(url, self._request_body(job, pin)) as resp:
                     await self._answer(job, resp, out, progress)
+            if self.target.spare_path is not None:  # for the next job, the slot free
+                spare = self.base_url() + self.target.spare_path
+                await loopback.open_spare(self.session, spare, self.target.headers)
         except (
             aiohttp.ClientError,
             TimeoutError,

@@ -191,16 +191,14 @@ class _Serving:
         tg: asyncio.TaskGroup,
         runner: JobRunner,
         session: aiohttp.ClientSession,
-        calls: aiohttp.ClientSession,
     ) -> None:
-        """``session`` carries the jobs; ``calls``, the short calls that pin each job to a
-        slot (``loopback``: a pool of their own)."""
+        """``session`` carries the jobs (``loopback``)."""
         supervisor: LlamaServer | AttachedServer
         pinning: SlotPinning | None = None
         if the_plan.llama is not None:
             supervisor = LlamaServer(the_plan.llama, self.on_state)
             self.slots = SlotTable(the_plan.llama.slots, self.cache_changed)
-            pinning = self.pinning = SlotPinning(self.slots, calls, lambda: supervisor.url)
+            pinning = self.pinning = SlotPinning(self.slots, session, lambda: supervisor.url)
             tg.create_task(pinning.run_measure())
         else:
             assert self.settings.backend_url is not None
@@ -218,13 +216,12 @@ class _Serving:
         tg: asyncio.TaskGroup,
         runner: JobRunner,
         session: aiohttp.ClientSession,
-        calls: aiohttp.ClientSession,
     ) -> None:
         """Serve the model the router names in its first ``registered`` reply."""
         model = await link.default_model or DEFAULT_MODEL.id
         log.info("no --model given: serving the router's default model %s", model)
         the_plan = await asyncio.to_thread(plan, self.settings, self.path_env, self.machine, model)
-        await self.start(the_plan, tg, runner, session, calls)
+        await self.start(the_plan, tg, runner, session)
 
 
 def _registration(
@@ -301,7 +298,7 @@ async def run_worker(
     image_plans = await asyncio.to_thread(plan_images, settings)
     text = the_plan is not None or needs_router_default(settings)
     routers = _routers(settings)
-    async with loopback.session() as session, loopback.session() as calls:
+    async with loopback.session() as session:
         split = await _split_models(settings, machine, path_env)
         if isinstance(split, str):
             shards: ShardFactory | str = split
@@ -348,9 +345,9 @@ async def run_worker(
             if serving.images is not None:
                 tg.create_task(serving.images.run())
             if the_plan is not None:
-                await serving.start(the_plan, tg, runner, session, calls)
+                await serving.start(the_plan, tg, runner, session)
             elif text:
-                tg.create_task(serving.adopt_default(link, tg, runner, session, calls))
+                tg.create_task(serving.adopt_default(link, tg, runner, session))
             else:
                 tg.create_task(runner.run())  # image models only
             await link.run()
@@ -471,11 +468,10 @@ async def _pull(
     try:
         async with (
             loopback.session() as session,
-            loopback.session() as calls,
             asyncio.TaskGroup() as tg,
         ):
             # The runner task is created first, so it is open when the puller first claims.
-            await serving.start(the_plan, tg, puller.runner, session, calls)
+            await serving.start(the_plan, tg, puller.runner, session)
             await puller.run()
     finally:
         await client.aclose()
@@ -489,7 +485,9 @@ async def _target(
 ) -> BackendTarget:
     api_key = settings.backend_api_key.get_secret_value() if settings.backend_api_key else None
     if isinstance(supervisor, LlamaServer):
-        return BackendTarget(the_plan.model.name, stream_upstream=True, token_ids=True)
+        return BackendTarget(
+            the_plan.model.name, stream_upstream=True, token_ids=True, spare_path="/health"
+        )
     backend_model = settings.backend_model
     if backend_model is None:
         await supervisor.ready.wait()
@@ -497,4 +495,6 @@ async def _target(
         backend_model = await discover_model(session, supervisor.url, headers)
         log.info("attached backend %s serves %r", supervisor.url, backend_model)
     rename = backend_model if backend_model != the_plan.model.name else None
-    return BackendTarget(the_plan.model.name, rename, api_key, ask_usage=True)
+    return BackendTarget(
+        the_plan.model.name, rename, api_key, ask_usage=True, spare_path="/v1/models"
+    )

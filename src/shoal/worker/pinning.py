@@ -1,22 +1,19 @@
-"""Pinning each text job to a llama-server slot: its exact prompt tokens, then ``SlotTable``.
+"""Pinning each text job to a llama-server slot by its content, then ``SlotTable``.
 
-The tokens come from llama-server itself, so a chat template is rendered and tokenized
-exactly as the completion will be: ``POST /apply-template`` with the job's body (the same
-parser the chat endpoint runs, tools and template arguments included), then
-``POST /tokenize`` with the special-token flags the completion endpoints use
-(``add_special`` and ``parse_special`` true, tools/server/server-context.cpp). Two loopback
-calls per job, handled on llama-server's HTTP threads (not its slot loop), so they do not wait
-behind running generations; they go through a connection pool of their own
-(``loopback.session``), whose connections llama-server keeps open (it closes one after
-each streamed answer: in the jobs' pool the calls kept finding closed connections). When
-they fail (a body llama-server will reject anyway) the job still takes a slot, holding
-nothing known.
+The slot is chosen from the request alone: its content chain (``protocol.prefix.chain_of``,
+the same blocks and hashes the router matches on, the first ``slots.SLOT_MAX_BLOCKS``, and
+one for the bytes after the last whole block, so that a prompt shorter than a block goes back
+to the slot that holds it), so no call to llama-server comes before the completion is sent.
+(Asking llama-server for the prompt's exact tokens, ``/apply-template`` then ``/tokenize``,
+cost two serial loopback round trips on every job: 4.6 ms of the 5.8 ms Shoal added to the
+first token on an H100.)
 
 Each time llama-server becomes ready, ``run_measure`` computes one short prompt
 (``MEASURE_PROMPT``, about 128 tokens, not cached) on a slot it takes like a job and sets the
 table's prompt speed from llama-server's own ``timings``: how long a busy slot holding a
 job's prefix is worth waiting for (a fixed guess was 5 times too short on a loaded 2-core
-machine). Until then a job waits for such a slot however long it takes; jobs refine it.
+machine). Until then a job waits for such a slot however long it takes; jobs refine it
+(their prompt's tokens estimated from its content, ``prefix.BYTES_PER_TOKEN``).
 """
 
 from __future__ import annotations
@@ -32,9 +29,9 @@ import aiohttp
 import orjson
 
 from shoal.protocol.messages import Endpoint, JobStart
-from shoal.protocol.prefix import prefix_chain
+from shoal.protocol.prefix import BLOCK_BYTES, BYTES_PER_TOKEN, MAX_BLOCKS, canonical, chain_of
 from shoal.worker import loopback
-from shoal.worker.slots import SlotTable, token_chain
+from shoal.worker.slots import SLOT_MAX_BLOCKS, SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -47,18 +44,15 @@ MEASURE_TIMEOUT = aiohttp.ClientTimeout(total=60.0)
 """Computing ``MEASURE_PROMPT`` takes a second on a slow, loaded CPU; past this the guess
 stays."""
 JSON_HEADERS = {"Content-Type": "application/json"}
-TOKENIZE_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
-"""Tokenizing a prompt takes milliseconds; past this llama-server is in trouble and the job
-runs with a slot holding nothing known."""
 
 
 @dataclass(frozen=True, slots=True)
 class Pin:
     slot: int
     expected_reuse: int
-    """Prompt tokens the slot already held (a multiple of ``slots.TOKEN_BLOCK``)."""
+    """Prompt tokens the slot is expected to hold already (``slots.TOKENS_PER_BLOCK``)."""
     prompt_tokens: int
-    tokenize_ms: float
+    """The prompt's tokens, estimated from its content (``prefix.BYTES_PER_TOKEN``)."""
     taken_at: float
     """When the job took its slot (``time.perf_counter``)."""
 
@@ -105,24 +99,20 @@ class SlotPinning:
 
     @contextlib.asynccontextmanager
     async def pin(self, job: JobStart) -> AsyncIterator[Pin | None]:
-        """The slot ``job`` runs on (None: not a job pinned to a slot)."""
+        """The slot ``job`` runs on (None: not a job pinned to a slot). Nothing is asked of
+        llama-server: the job's content chooses."""
         if job.endpoint not in PINNED:
             yield None
             return
-        started = time.perf_counter()
-        tokens = await self._tokens(job)
-        tokenize_ms = (time.perf_counter() - started) * 1000
-        content = prefix_chain(job.model, job.body)
-        async with self.table.hold(token_chain(tokens), content) as (slot, reused):
+        data = canonical(job.body)
+        blocks = chain_of(job.model, data, SLOT_MAX_BLOCKS, tail=True)
+        content = blocks[: min(len(data) // BLOCK_BYTES, MAX_BLOCKS)]  # the router's chain
+        async with self.table.hold(blocks, content) as (slot, reused):
+            tokens = max(int(len(data) / BYTES_PER_TOKEN), reused)
             log.debug(
-                "job %s: slot %d, %d of %d prompt tokens held (tokenized in %.1f ms)",
-                job.job_id,
-                slot,
-                reused,
-                len(tokens),
-                tokenize_ms,
+                "job %s: slot %d, ~%d of ~%d prompt tokens held", job.job_id, slot, reused, tokens
             )
-            yield Pin(slot, reused, len(tokens), tokenize_ms, time.perf_counter())
+            yield Pin(slot, reused, tokens, time.perf_counter())
 
     def first_output(self, pin: Pin) -> None:
         """The job's first output arrived: its prompt is computed (the prompt speed here)."""
@@ -130,25 +120,8 @@ class SlotPinning:
             pin.slot, pin.prompt_tokens - pin.expected_reuse, time.perf_counter() - pin.taken_at
         )
 
-    async def _tokens(self, job: JobStart) -> list[int]:
-        try:
-            if job.endpoint is Endpoint.CHAT:
-                prompt = (await self._post("/apply-template", job.body)).get("prompt")
-            else:
-                prompt = job.body.get("prompt")
-            if not isinstance(prompt, str | list):
-                return []
-            got = await self._post(
-                "/tokenize", {"content": prompt, "add_special": True, "parse_special": True}
-            )
-            tokens = got.get("tokens")
-            return [t for t in tokens if isinstance(t, int)] if isinstance(tokens, list) else []
-        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
-            log.warning("job %s: could not tokenize its prompt: %r", job.job_id, exc)
-            return []
-
     async def _post(
-        self, path: str, body: object, timeout: aiohttp.ClientTimeout = TOKENIZE_TIMEOUT
+        self, path: str, body: object, timeout: aiohttp.ClientTimeout
     ) -> dict[str, object]:
         """POST ``body`` to ``path`` (``loopback.post``); what it answered, {} unless 200."""
         url = self._base_url() + path

@@ -2,14 +2,21 @@
 
 llama-server keeps the last prompt of each slot in its KV cache and reuses the longest
 common prefix when the next request on that slot shares it. The worker picks the slot
-itself (the request's ``id_slot``), so it knows exactly what every slot holds:
+itself (the request's ``id_slot``), so it knows what every slot holds:
 
-* a slot's holding is the prompt's exact tokens (llama-server's own ``/apply-template`` and
-  ``/tokenize``, ``worker/pinning.py``) kept as chained hashes of ``TOKEN_BLOCK``-token
-  blocks, and the request's content chain (``protocol/prefix.py``), which is what the
-  router matches;
-* a job takes the idle slot holding the most of its prompt's leading blocks, ties to the
-  least recently used (which is what llama-server itself would evict);
+* a slot's holding is its last request's content chain (``protocol/prefix.py``: the
+  messages or prompt in 256-byte blocks, chained hashes, the first ``SLOT_MAX_BLOCKS``, and
+  one for the bytes after the last whole block),
+  computed here from the request alone, so that no call to llama-server comes before the
+  completion. A chat template renders messages in order, so two requests whose content
+  shares its first blocks share the prompt's leading tokens up to about there (a block is
+  worth ``TOKENS_PER_BLOCK`` tokens, roughly); the router matches the first
+  ``prefix.MAX_BLOCKS`` of the same chain;
+* a job takes the idle slot holding the most of its leading blocks, ties to the least
+  recently used (which is what llama-server itself would evict). A match counts only when
+  it is at least a ``MEANINGFUL_SHARE``-th of the job's content (as llama-server's own
+  ``--slot-prompt-similarity``, 0.1): a short prompt sharing a line with a slot that holds
+  a long cached prefix does not take that slot and throw the prefix away;
 * when a busy slot holds (or is computing) much more of the prompt than any idle one, as
   when a tenant's requests arrive together, the job waits for that slot, but no longer than
   computing the difference would take (``plan_slot``, at the prompt speed measured here),
@@ -39,42 +46,45 @@ what the table says a slot holds stays true.
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
-import hashlib
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from shoal.protocol.prefix import held_blocks
+from shoal.protocol.prefix import expected_tokens
 
 log = logging.getLogger(__name__)
 
-TOKEN_BLOCK = 16
-"""Tokens per block of a slot's holding: a prefix is matched to within 16 tokens."""
+SLOT_MAX_BLOCKS = 2048
+"""Blocks of a request's content a slot's holding is matched on: its first 512 KiB (about
+128k tokens). The router matches the first ``prefix.MAX_BLOCKS`` of the same chain."""
+TOKENS_PER_BLOCK = expected_tokens(1)
+"""What one block of content is worth in prompt tokens, roughly."""
+MEANINGFUL_SHARE = 10
+"""A slot's match counts only when it covers at least 1/10 of the job's blocks."""
 
 
-def token_chain(tokens: Sequence[int]) -> tuple[int, ...]:
-    """Chained hashes of the whole ``TOKEN_BLOCK``-token blocks of ``tokens``."""
-    raw = array.array("i", tokens).tobytes()
-    size = TOKEN_BLOCK * 4  # array("i") items are 4 bytes
-    chain: list[int] = []
-    prev = b""
-    for start in range(0, len(raw) - size + 1, size):
-        prev = hashlib.blake2b(prev + raw[start : start + size], digest_size=8).digest()
-        chain.append(int.from_bytes(prev, "big"))
-    return tuple(chain)
+def shared_blocks(chain: tuple[int, ...], held: tuple[int, ...]) -> int:
+    """The leading blocks of ``chain`` a slot holding ``held`` has (each hash covers every
+    block before it: the first that differs ends the match); 0 when that is under a
+    ``MEANINGFUL_SHARE``-th of ``chain``."""
+    n = 0
+    for mine, its in zip(chain, held, strict=False):
+        if mine != its:
+            break
+        n += 1
+    return n if n * MEANINGFUL_SHARE >= len(chain) else 0
 
 
 @dataclass(slots=True)
 class Slot:
     id: int
     blocks: tuple[int, ...] = ()
-    """The token-block chain of the prompt it last ran."""
+    """The content chain of the prompt it last ran (``protocol.prefix.chain_of``)."""
     content: tuple[int, ...] = ()
-    """That prompt's content chain (``protocol.prefix.prefix_chain``)."""
+    """Its whole blocks, the first ``prefix.MAX_BLOCKS``: what the router matches."""
     busy: bool = False
     computing: bool = False
     """Busy with a job whose prompt is not computed yet (no output so far)."""
@@ -83,13 +93,13 @@ class Slot:
 
 
 def choose_slot(slots: Sequence[Slot], blocks: tuple[int, ...]) -> int | None:
-    """The idle slot holding the most leading blocks of ``blocks``; ties to the least
-    recently used, then the lowest id. None when every slot is busy."""
+    """The idle slot holding the most leading blocks of ``blocks`` (``shared_blocks``); ties
+    to the least recently used, then the lowest id. None when every slot is busy."""
     best: tuple[int, int, int] | None = None
     for slot in slots:
         if slot.busy:
             continue
-        key = (-held_blocks(blocks, slot.blocks), slot.last_used, slot.id)
+        key = (-shared_blocks(blocks, slot.blocks), slot.last_used, slot.id)
         if best is None or key < best:
             best = key
     return best[2] if best is not None else None
@@ -116,11 +126,12 @@ def plan_slot(
     two slots halves the speed of both), or 0 when no busy slot holds
     ``MIN_WAIT_GAIN_TOKENS`` more."""
     idle = choose_slot(slots, blocks)
-    idle_match = held_blocks(blocks, slots[idle].blocks) if idle is not None else 0
+    idle_match = shared_blocks(blocks, slots[idle].blocks) if idle is not None else 0
     busy_match, computing = max(
-        ((held_blocks(blocks, s.blocks), s.computing) for s in slots if s.busy), default=(0, False)
+        ((shared_blocks(blocks, s.blocks), s.computing) for s in slots if s.busy),
+        default=(0, False),
     )
-    gain = (busy_match - idle_match) * TOKEN_BLOCK
+    gain = (busy_match - idle_match) * TOKENS_PER_BLOCK
     if gain < MIN_WAIT_GAIN_TOKENS:
         return idle, 0.0
     return idle, gain * s_per_token * (2 if computing else 1)
@@ -139,7 +150,7 @@ class SlotTable:
         """A job's first output came ``seconds`` after it took ``slot``, ``computed`` prompt
         tokens later: its prompt is computed; the prompt speed, under the load there is."""
         self.slots[slot].computing = False
-        if computed >= TOKEN_BLOCK and seconds > 0:
+        if computed >= TOKENS_PER_BLOCK and seconds > 0:
             rate = seconds / computed
             if math.isinf(self.s_per_token):
                 self.s_per_token = rate
@@ -171,8 +182,9 @@ class SlotTable:
     async def hold(
         self, blocks: tuple[int, ...], content: tuple[int, ...]
     ) -> AsyncIterator[tuple[int, int]]:
-        """Take a slot for one job whose prompt is ``blocks``; yields the slot's id and the
-        tokens it is expected to reuse. The slot is free again when the block exits."""
+        """Take a slot for one job whose content chain is ``blocks`` (``content``: the part
+        the router matches); yields the slot's id and the prompt tokens it is expected to
+        reuse (roughly: ``TOKENS_PER_BLOCK``). The slot is free again when the block exits."""
         loop = asyncio.get_running_loop()
         since: float | None = None  # when it started to wait for a busy slot holding more
         while True:
@@ -189,7 +201,7 @@ class SlotTable:
                 break
             await self._released(None if math.isinf(left) else left)
         slot = self.slots[chosen]
-        reused = held_blocks(blocks, slot.blocks) * TOKEN_BLOCK
+        reused = shared_blocks(blocks, slot.blocks) * TOKENS_PER_BLOCK
         self._taken += 1
         slot.busy, slot.computing, slot.last_used = True, True, self._taken
         changed = slot.content != content

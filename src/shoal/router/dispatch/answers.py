@@ -184,6 +184,8 @@ async def wait_assigned(
     """Wait until a worker takes ``job``; past ``max_wait`` since it (last) queued, withdraw it
     from its queue and raise ``refusal()``. A job a worker took just as the limit passed
     (``withdraw`` answers False) is waited for instead."""
+    if job.assigned.is_set():
+        return  # placed as it came: no timer to arm and cancel
     remaining = max_wait - (time.monotonic() - job.queued_at)
     try:
         async with asyncio.timeout(max(remaining, 0.0)):

@@ -9,6 +9,7 @@ request schemas are what tests/e2e/test_fuzz.py fuzzes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -23,7 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import Endpoint
 from shoal.router.context import RouterContext, context
-from shoal.router.dispatch.job import Submission
+from shoal.router.dispatch.job import JobState, Submission
 from shoal.router.errors import BadRequest, RouterError, error_reply
 from shoal.router.relay import JobResponse
 from shoal.router.requests import (
@@ -72,6 +73,10 @@ async def submit(ctx: RouterContext, endpoint: Endpoint, headers: Headers, raw: 
     except RouterError:
         await ctx.accounting.release(ticket)
         raise
+    if job.state is JobState.ASSIGNED:
+        # Its worker's start frame is queued for the socket's writer: let it leave now, and
+        # set the response up while the worker starts the job, not before.
+        await asyncio.sleep(0)
     return JobResponse(
         job, ctx.dispatcher, ctx.accounting, ticket, fill, timeout=ctx.settings.job_timeout
     )

@@ -10,7 +10,7 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 from shoal.protocol.ids import JobId, ModelName, WorkerId
@@ -28,6 +28,7 @@ from shoal.protocol.messages import (
 from shoal.protocol.telemetry import GpuSample
 from shoal.router.dispatch.job import Job
 from shoal.router.dispatch.scheduler import WorkerLoad, contexts_of
+from shoal.router.model_views import ModelView, ModelViews
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,11 @@ class WorkerConnection:
     jobs placed on it since (its report may not include them yet)."""
     outbox: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
     served: frozenset[tuple[ModelName, Endpoint]] = frozenset()
+    contexts: tuple[tuple[ModelName, int], ...] = ()
+    """Each model's context per slot, where known (``scheduler.contexts_of``)."""
+    watcher: Callable[[WorkerConnection], None] | None = None
+    """Told when its models, backend state or connection change: the ``Registry`` holding
+    it, which keeps its per-model views (``model_views``) up to date."""
 
     @classmethod
     def from_register(cls, msg: Register, peer: str) -> WorkerConnection:
@@ -136,6 +142,12 @@ class WorkerConnection:
             )
         self.models = models
         self.served = frozenset((m.name, e) for m in models for e in m.endpoints)
+        self.contexts = contexts_of(models)
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.watcher is not None:
+            self.watcher(self)
 
     def move(self, new: ConnState, why: str) -> None:
         if new not in _ALLOWED[self.conn_state]:
@@ -144,6 +156,7 @@ class WorkerConnection:
             "worker %s (%s): connection %s -> %s: %s", self.id, self.name, self.conn_state, new, why
         )
         self.conn_state = new
+        self._changed()
 
     def set_backend_state(self, state: BackendState, detail: str, backend_url: str | None) -> None:
         """``backend_url``: where the backend serves now (a restarted llama-server listens on
@@ -157,9 +170,12 @@ class WorkerConnection:
                 state,
                 detail,
             )
+        changed = state is not self.backend_state
         self.backend_state = state
         self.detail = detail
         self.backend_url = backend_url
+        if changed:
+            self._changed()
 
     def send(self, message: Message) -> None:
         """Queue a frame for this worker's writer; never blocks."""
@@ -184,7 +200,7 @@ class WorkerConnection:
             running=len(self.running),
             last_assigned=self.last_assigned,
             cached=self.cached,
-            contexts=contexts_of(self.models),
+            contexts=self.contexts,
         )
 
     def summary(self) -> dict[str, object]:
@@ -214,22 +230,31 @@ class WorkerConnection:
 
 
 class Registry:
-    """Active workers by id."""
+    """Active workers by id, and what they add up to per model (``model_views``)."""
 
     def __init__(self) -> None:
         self._workers: dict[WorkerId, WorkerConnection] = {}
+        self._views = ModelViews()
 
     def add(self, conn: WorkerConnection) -> None:
+        old = self._workers.get(conn.id)
+        if old is not None and old is not conn:
+            self.remove(old)
         self._workers[conn.id] = conn
+        conn.watcher = self._views.put
+        self._views.put(conn)
 
     def remove(self, conn: WorkerConnection) -> None:
         if self._workers.get(conn.id) is conn:
             del self._workers[conn.id]
+            conn.watcher = None
+            self._views.drop(conn)
 
     def get(self, worker_id: WorkerId) -> WorkerConnection | None:
         return self._workers.get(worker_id)
 
     def __iter__(self) -> Iterator[WorkerConnection]:
+        """Every worker (a copy of the list: walking it is O(workers), for on-demand views)."""
         return iter(list(self._workers.values()))
 
     def __len__(self) -> int:
@@ -239,12 +264,27 @@ class Registry:
         """Each connected worker's id -> the name it was started with (``--name``)."""
         return {i: w.name for i, w in self._workers.items()}
 
-    def models(self) -> dict[ModelName, list[WorkerConnection]]:
-        by_model: dict[ModelName, list[WorkerConnection]] = {}
-        for w in self._workers.values():
-            for m in w.models:
-                by_model.setdefault(m.name, []).append(w)
-        return by_model
+    def model_names(self) -> Collection[ModelName]:
+        """The models some worker here serves."""
+        return self._views.models()
+
+    def view(self, model: ModelName) -> ModelView | None:
+        """What the workers serving ``model`` add up to; None if none does."""
+        return self._views.view(model)
+
+    def serving(self, model: ModelName, endpoint: Endpoint) -> Collection[WorkerConnection]:
+        """The workers serving ``model`` for ``endpoint``, without walking the others (not
+        to be iterated while workers join, leave or change)."""
+        return self._views.serving(model, endpoint)
+
+    def ready(self) -> int:
+        """How many workers are ready (connected, backend ready)."""
+        return self._views.ready()
 
     def model_info(self, name: ModelName) -> list[tuple[WorkerConnection, ModelInfo]]:
-        return [(w, m) for w in self._workers.values() for m in w.models if m.name == name]
+        """Each worker serving ``name``, with its entry for it."""
+        view = self._views.view(name)
+        if view is None:
+            return []
+        workers = (self._workers[i] for i in view.workers)
+        return [(w, m) for w in workers for m in w.models if m.name == name]

@@ -160,9 +160,14 @@ class WorkerDirectory:
     ) -> str | None:
         """The consumer (a router, or a pull worker) whose worker should run a job with
         ``prefix`` and ``need`` (``scheduler.hold_for``), over this router's workers as they
-        are and the others as of the last sync (``RemoteWorker.claimer``)."""
-        owned = [(self.router, w.load()) for w in self._registry]
-        owned += [(c, r.load()) for r in self.remote if (c := r.claimer) is not None]
+        are and the others as of the last sync (``RemoteWorker.claimer``); only those serving
+        ``model`` for ``endpoint`` (``scheduler.hold_for`` passes over the others)."""
+        owned = [(self.router, w.load()) for w in self._registry.serving(model, endpoint)]
+        owned += [
+            (c, r.load())
+            for r in self.remote
+            if (c := r.claimer) is not None and r.serves(model, endpoint)
+        ]
         return hold_for(owned, model, endpoint, prefix, need)
 
     async def run(self) -> None:

@@ -82,6 +82,8 @@ class WorkerConnection:
     """The prefix hashes its llama-server's slots hold (``CacheChanged``), with those of the
     jobs placed on it since (its report may not include them yet)."""
     outbox: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
+    took_job: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when a job is placed on it: its watchdog, idle till then, watches for a stall."""
     served: frozenset[tuple[ModelName, Endpoint]] = frozenset()
     contexts: tuple[tuple[ModelName, int], ...] = ()
     """Each model's context per slot, where known (``scheduler.contexts_of``)."""
@@ -126,6 +128,11 @@ class WorkerConnection:
     def set_cached(self, blocks: tuple[int, ...]) -> None:
         """What the worker reports its slots hold, plus the prefixes of its running jobs."""
         self.cached = frozenset(blocks).union(*(job.prefix for job in self.running.values()))
+
+    def hold(self, run: JobId, job: Job) -> None:
+        """``job`` runs here (as ``run``, its wire id): it holds a slot until it ends."""
+        self.running[run] = job
+        self.took_job.set()
 
     def note_prefix(self, prefix: tuple[int, ...]) -> None:
         """A job with ``prefix`` was placed here: its slot will hold it."""

@@ -162,7 +162,7 @@ class Holder:
         model = worker.models[0].name if worker.models else ModelName("?")
         for running in jobs:
             stand_in = Job(running.job_id, model, Endpoint.CHAT, stream=False, body={})
-            worker.running[running.job_id] = stand_in
+            worker.hold(running.job_id, stand_in)
         self._adoptions.put_nowait((worker, tuple(jobs)))
 
     async def run_adoptions(self) -> None:

@@ -171,7 +171,7 @@ class Running(Generic[T]):
         job.worker_id = worker.id
         job.transition(JobState.ASSIGNED, f"worker {worker.id}")
         run = self._runs[job.id] = run_id(job)
-        worker.running[run] = job
+        worker.hold(run, job)
         worker.last_assigned = time.monotonic()
         answer = AnswerSoFar() if resume is None else AnswerSoFar.going_on(resume)
         self._placed[run] = Placed(ticket, job, worker, attempt, answer)
@@ -228,7 +228,7 @@ class Running(Generic[T]):
         client has of it, when known (its trail in Redis)."""
         job.worker_id = worker.id
         job.transition(JobState.ASSIGNED, f"adopted on worker {worker.id}")
-        worker.running[job.id] = job
+        worker.hold(job.id, job)
         if answer is None or not started:
             answer = AnswerSoFar.unknown() if started else AnswerSoFar()
         self._runs[job.id] = job.id

@@ -225,7 +225,11 @@ async def _write(ws: WebSocket, worker: WorkerConnection) -> None:
 
 
 async def _watchdog(worker: WorkerConnection, ctx: RouterContext) -> None:
-    """Drop the worker when its heartbeats stop, or sooner when it is frozen (``stall``)."""
+    """Drop the worker when its heartbeats stop, or sooner when it is frozen (``stall``).
+
+    While it holds no job there is no stall to watch for: it wakes at the heartbeat
+    deadline, or when a job is placed on it (``took_job``), so an idle worker costs a
+    wake-up every few heartbeats instead of one per heartbeat."""
     timeout, stall = ctx.settings.heartbeat_timeout, ctx.settings.stall_timeout
     dispatcher = ctx.dispatcher
     while True:
@@ -243,6 +247,12 @@ async def _watchdog(worker: WorkerConnection, ctx: RouterContext) -> None:
                 ", ".join(worker.running),
             )
             raise Stalled
+        if stall > 0 and not worker.running:
+            worker.took_job.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await worker.took_job.wait()
+            continue
         if stall > 0:
             delay = min(delay, next_check(now, worker.last_seen, stall))
         await asyncio.sleep(delay)

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from shoal.protocol.ids import JobId, ModelName, WorkerId
 from shoal.protocol.messages import (
@@ -87,6 +88,8 @@ class WorkerConnection:
     served: frozenset[tuple[ModelName, Endpoint]] = frozenset()
     contexts: tuple[tuple[ModelName, int], ...] = ()
     """Each model's context per slot, where known (``scheduler.contexts_of``)."""
+    models_json: list[dict[str, object]] = field(default_factory=list)
+    """``models`` as JSON, once per change (``summary``: the directory writes it often)."""
     watcher: Callable[[WorkerConnection], None] | None = None
     """Told when its models, backend state or connection change: the ``Registry`` holding
     it, which keeps its per-model views (``model_views``) up to date."""
@@ -150,6 +153,7 @@ class WorkerConnection:
         self.models = models
         self.served = frozenset((m.name, e) for m in models for e in m.endpoints)
         self.contexts = contexts_of(models)
+        self.models_json = [m.model_dump(mode="json") for m in models]
         self._changed()
 
     def _changed(self) -> None:
@@ -210,6 +214,11 @@ class WorkerConnection:
             contexts=self.contexts,
         )
 
+    @cached_property
+    def hardware_json(self) -> dict[str, object]:
+        """``hardware`` as JSON (it is what the worker registered with: it never changes)."""
+        return self.hardware.model_dump(mode="json")
+
     def summary(self) -> dict[str, object]:
         return {
             "id": self.id,
@@ -217,10 +226,10 @@ class WorkerConnection:
             "state": self.backend_state.value,
             "detail": self.detail,
             "connection": self.conn_state.value,
-            "models": [m.model_dump(mode="json") for m in self.models],
+            "models": self.models_json,
             "slots": self.slots,
             "running_jobs": len(self.running),
-            "hardware": self.hardware.model_dump(mode="json"),
+            "hardware": self.hardware_json,
             "ram_available_bytes": self.ram_available_bytes,
             "gpu_free_bytes": list(self.gpu_free_bytes),
             "gpu_telemetry": [g.model_dump(mode="json") for g in self.gpu_telemetry],

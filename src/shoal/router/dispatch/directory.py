@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,7 +141,8 @@ class WorkerDirectory:
         self._registry = registry
         self._interval_s = interval_s
         self._ttl_ms = int(interval_s * 3000) + 1000  # three missed syncs and it is gone
-        self._written: set[str] = set()
+        self._written: dict[str, int] = {}
+        """Each worker written, with the hash of its entry as written (``sync``)."""
         self._changed = asyncio.Event()
         self._now = False  # changed() since the last sync, not only soon()
         self._synced_at = 0.0
@@ -193,22 +195,44 @@ class WorkerDirectory:
                 self._changed.clear()
         finally:
             with contextlib.suppress(*REDIS_DOWN):
-                await self._forget(self._written)
+                await self._forget(set(self._written))
 
     async def sync(self) -> None:
-        """Write this router's workers, delete the ones that left, read everyone's."""
+        """Write this router's workers, delete the ones that left, read the others'.
+
+        A worker whose entry has not changed since it was last written (all but how long ago
+        it was heard from) only has its TTL renewed: an idle fleet costs a ``PEXPIRE`` per
+        worker per sync, not a rewrite (its ``last_seen_s_ago`` there is as of its last
+        write; the TTL says it is alive). An entry gone from Redis (its ``PEXPIRE`` found
+        nothing) is written again at the next sync."""
         index = worker_index_key(self._prefix)
-        mine = {w.id: w.summary() for w in self._registry}
+        written: dict[str, int] = {}
+        renewed: list[tuple[str, int]] = []  # (worker, where its PEXPIRE's reply is)
+        commands = 0
         async with self._redis.pipeline(transaction=False) as pipe:
-            for worker_id, summary in mine.items():
-                key = worker_key(self._prefix, worker_id)
-                pipe.hset(key, mapping={"router": self.router, "summary": orjson.dumps(summary)})
+            for w in self._registry:
+                summary = w.summary()
+                seen = summary.pop("last_seen_s_ago")
+                stamp = hash(orjson.dumps(summary))
+                key = worker_key(self._prefix, w.id)
+                written[w.id] = stamp
+                if self._written.get(w.id) != stamp:
+                    summary["last_seen_s_ago"] = seen
+                    entry = orjson.dumps(summary)
+                    pipe.hset(key, mapping={"router": self.router, "summary": entry})
+                    pipe.sadd(index, w.id)
+                    commands += 2
+                else:
+                    renewed.append((w.id, commands))
                 pipe.pexpire(key, self._ttl_ms)
-                pipe.sadd(index, worker_id)
-            await pipe.execute()
-        await self._forget(self._written - set(mine))
-        self._written = set(mine)
-        self.remote = await self._read_all(index)
+                commands += 1
+            replies = await pipe.execute()
+        for worker_id, at in renewed:
+            if not replies[at]:
+                del written[worker_id]  # its entry is gone from Redis: written next time
+        await self._forget(set(self._written) - set(written))
+        self._written = written
+        self.remote = await self._read_all(index, skip=written.keys())
         if self.remote:
             self.heard_at = time.monotonic()
 
@@ -228,8 +252,9 @@ class WorkerDirectory:
                     pipe.unlink(worker_key(self._prefix, worker_id))
             await pipe.execute()
 
-    async def _read_all(self, index: str) -> list[RemoteWorker]:
-        ids = sorted(text(i) for i in await self._redis.smembers(index))
+    async def _read_all(self, index: str, skip: Collection[str]) -> list[RemoteWorker]:
+        """Every worker listed but this router's own (``skip``: it knows them already)."""
+        ids = sorted(i for i in map(text, await self._redis.smembers(index)) if i not in skip)
         async with self._redis.pipeline(transaction=False) as pipe:
             for worker_id in ids:
                 pipe.hmget(worker_key(self._prefix, worker_id), ["router", "summary"])

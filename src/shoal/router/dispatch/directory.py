@@ -9,8 +9,10 @@ as of the last sync (pull workers' entries too). A sync runs every ``interval_s`
 after ``changed()`` (a worker joined or left here), and after ``soon()`` (a job started or
 ended here, a job this router sent ended anywhere, or a worker's slots hold something new)
 at most every ``PUSH_GAP_S``: what a worker holds and how busy it is reach the other routers
-promptly, bounded in rate. They read it at their own next sync (their interval, or a change
-of theirs).
+promptly, bounded in rate (and both no sooner than ``SYNC_PAUSE`` times the last sync's
+duration after it: a sync is O(this router's workers), and thousands joining must not make
+it run back to back). They read it at their own next sync (their interval, or a change of
+theirs).
 
 ``hold_for`` is who should claim a job with a given prefix (``scheduler.hold_for`` over this
 router's workers and every other one listed): the router holding the worker, or a pull worker
@@ -48,6 +50,10 @@ log = logging.getLogger(__name__)
 
 PUSH_GAP_S = 0.2
 """The least time between two syncs brought on by ``soon()`` (jobs starting and ending)."""
+SYNC_PAUSE = 4.0
+"""A sync that took T seconds is followed by one brought on by a change no sooner than
+``SYNC_PAUSE`` x T later: however large the fleet (a sync is O(its workers)), syncing takes
+at most a fifth of the router's time while workers join (each join is a ``changed()``)."""
 _TAKES_JOBS = frozenset({BackendState.READY, BackendState.UNLOADED})
 
 
@@ -176,6 +182,7 @@ class WorkerDirectory:
         delay = self._interval_s
         try:
             while True:
+                started = time.monotonic()
                 try:
                     await self.sync()
                     delay = self._interval_s
@@ -185,13 +192,15 @@ class WorkerDirectory:
                     delay = min(delay * 2, RETRY_MAX_DELAY_S)
                 raise_if_cancelled()
                 self._synced_at = time.monotonic()
+                took = self._synced_at - started
                 self._now = False
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(delay):
                         await self._changed.wait()
-                gap = self._synced_at + PUSH_GAP_S - time.monotonic()
-                if not self._now and gap > 0:
-                    await asyncio.sleep(gap)  # the rate bound of soon(): later ones join in
+                least = SYNC_PAUSE * took if self._now else max(PUSH_GAP_S, SYNC_PAUSE * took)
+                gap = self._synced_at + least - time.monotonic()
+                if gap > 0:
+                    await asyncio.sleep(gap)  # the rate bound: later changes join in
                 self._changed.clear()
         finally:
             with contextlib.suppress(*REDIS_DOWN):

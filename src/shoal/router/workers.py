@@ -88,8 +88,9 @@ class WorkerConnection:
     served: frozenset[tuple[ModelName, Endpoint]] = frozenset()
     contexts: tuple[tuple[ModelName, int], ...] = ()
     """Each model's context per slot, where known (``scheduler.contexts_of``)."""
-    models_json: list[dict[str, object]] = field(default_factory=list)
-    """``models`` as JSON, once per change (``summary``: the directory writes it often)."""
+    _models_json: list[dict[str, object]] | None = None
+    """``models`` as JSON, kept from the first ``summary`` after they change (with Redis the
+    directory asks for it every sync)."""
     watcher: Callable[[WorkerConnection], None] | None = None
     """Told when its models, backend state or connection change: the ``Registry`` holding
     it, which keeps its per-model views (``model_views``) up to date."""
@@ -153,7 +154,7 @@ class WorkerConnection:
         self.models = models
         self.served = frozenset((m.name, e) for m in models for e in m.endpoints)
         self.contexts = contexts_of(models)
-        self.models_json = [m.model_dump(mode="json") for m in models]
+        self._models_json = None
         self._changed()
 
     def _changed(self) -> None:
@@ -214,6 +215,11 @@ class WorkerConnection:
             contexts=self.contexts,
         )
 
+    def models_json(self) -> list[dict[str, object]]:
+        if self._models_json is None:
+            self._models_json = [m.model_dump(mode="json") for m in self.models]
+        return self._models_json
+
     @cached_property
     def hardware_json(self) -> dict[str, object]:
         """``hardware`` as JSON (it is what the worker registered with: it never changes)."""
@@ -226,7 +232,7 @@ class WorkerConnection:
             "state": self.backend_state.value,
             "detail": self.detail,
             "connection": self.conn_state.value,
-            "models": self.models_json,
+            "models": self.models_json(),
             "slots": self.slots,
             "running_jobs": len(self.running),
             "hardware": self.hardware_json,

@@ -75,9 +75,10 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def start_fleet(procs: Processes, router: str, count: int) -> float:
+def start_fleet(procs: Processes, router: str, count: int) -> tuple[float, int]:
     """Start ``count`` stand-ins in processes of ``STANDINS_PER_PROCESS``; the seconds until
-    the last of them registered (the slowest process's own count, from its first dial)."""
+    the last of them registered (the slowest process's own count, from its first dial), and
+    how many dials, registrations or connections failed on the way (each dialed again)."""
     started: list[subprocess.Popen[bytes]] = []
     for n, first in enumerate(range(0, count, STANDINS_PER_PROCESS)):
         size = min(STANDINS_PER_PROCESS, count - first)
@@ -87,14 +88,15 @@ def start_fleet(procs: Processes, router: str, count: int) -> float:
         procs.procs.append(proc)
         procs.named[f"standins-{n}"] = proc
         started.append(proc)
-    took = []
+    took, failures = [], 0
     for proc in started:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         if not line:
             raise RuntimeError("a stand-in process ended before its fleet registered")
         took.append(float(json.loads(line)["s"]))
-    return max(took)
+        failures += int(json.loads(line)["failures"])
+    return max(took), failures
 
 
 def probe(url: str, path: str) -> float:
@@ -192,11 +194,12 @@ def run_one(args: argparse.Namespace, count: int, prefix: str) -> dict[str, Any]
             router = procs.shoal("router", "router", *flags)
         wait_http(url + "/health")
         print(f"{count} stand-ins ...", flush=True)
-        registered_s = start_fleet(procs, f"127.0.0.1:{port}", count)
+        registered_s, failures = start_fleet(procs, f"127.0.0.1:{port}", count)
         time.sleep(args.settle_s)
         idle = window(router.pid, url, args.idle_s, args.probes, None)
         print(f"  idle: {idle}", flush=True)
         row: dict[str, Any] = {"workers": count, "register_s": registered_s, "idle": idle}
+        row["register_failures"] = failures
         if args.real_workers:
             real_workers(procs, port, args.real_workers)
             wait_workers_count(url, count + args.real_workers)
@@ -266,6 +269,7 @@ def main() -> None:
             [
                 r["workers"],
                 r["register_s"],
+                r["register_failures"],
                 idle["cpu_cores"],
                 idle["rss_mib"],
                 idle["health_p50_ms"],
@@ -282,6 +286,7 @@ def main() -> None:
         [
             "workers",
             "register s",
+            "failed dials",
             "idle cores",
             "RSS MiB",
             "/health ms",

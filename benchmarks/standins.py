@@ -12,8 +12,9 @@ few such processes by ``benchmarks/many_workers.py``:
 
     python benchmarks/standins.py --router 127.0.0.1:8000 --count 5000 --first 0
 
-It prints one JSON line when every stand-in has registered (``{"registered": N, "s": T}``)
-and then keeps them connected until it is terminated.
+It prints one JSON line when every stand-in has registered (``{"registered": N, "s": T,
+"failures": F}``: F dials, registrations or connections that failed on the way, each dialed
+again after a pause as a worker does) and then keeps them connected until it is terminated.
 """
 
 from __future__ import annotations
@@ -87,30 +88,45 @@ class StandIn:
         self.index = index
         self.url = url
         self.registered = asyncio.Event()
+        self.failures = 0
+        """Dials or registrations that failed, and connections the router closed (each is
+        dialed again after a pause, as a worker does)."""
 
     async def run(self, gate: asyncio.Semaphore) -> None:
+        while True:
+            try:
+                await self._session(gate)
+            except* (OSError, TimeoutError, websockets.WebSocketException):
+                pass  # dialed again below, as a worker does
+            self.failures += 1
+            await asyncio.sleep(random.uniform(1.0, 3.0))
+
+    async def _session(self, gate: asyncio.Semaphore) -> None:
+        """One connection: register, then heartbeat until the router closes it."""
         async with gate:
             ws = await websockets.connect(
-                self.url, ping_interval=20, ping_timeout=20, compression=None, open_timeout=120
+                self.url, ping_interval=20, ping_timeout=20, compression=None, open_timeout=60
             )
             await ws.send(encode(register(self.index)))
-            reply = decode_router_message(await ws.recv())
+            async with asyncio.timeout(60):
+                reply = decode_router_message(await ws.recv())
         if not isinstance(reply, Registered):
-            raise RuntimeError(f"stand-in {self.index}: the router answered {reply.type}")
+            raise websockets.InvalidMessage(f"stand-in {self.index}: the router said {reply.type}")
         self.registered.set()
         async with ws, asyncio.TaskGroup() as tg:
-            tg.create_task(self._heartbeat(ws, reply.heartbeat_interval_s))
-            await self._read(ws)
-            raise asyncio.CancelledError  # the router closed: stop heartbeating
+            beating = tg.create_task(self._heartbeat(ws, reply.heartbeat_interval_s))
+            await self._read(ws)  # until the router closes it
+            beating.cancel()
 
     async def _heartbeat(self, ws: ClientConnection, interval: float) -> None:
         await asyncio.sleep(random.uniform(0, interval))  # spread over the interval
         beat = encode(
             Heartbeat(state=BackendState.READY, running_jobs=0, ram_available_bytes=RAM_BYTES // 2)
         )
-        while True:
-            await ws.send(beat)
-            await asyncio.sleep(interval)
+        with contextlib.suppress(websockets.ConnectionClosed):
+            while True:
+                await ws.send(beat)
+                await asyncio.sleep(interval)
 
     async def _read(self, ws: ClientConnection) -> None:
         with contextlib.suppress(websockets.ConnectionClosed):
@@ -136,7 +152,9 @@ async def fleet(router: str, first: int, count: int) -> None:
         for s in standins:
             await s.registered.wait()
         took = time.monotonic() - started
-        print(json.dumps({"registered": count, "s": round(took, 3)}), flush=True)
+        failures = sum(s.failures for s in standins)
+        print(json.dumps({"registered": count, "s": round(took, 3), "failures": failures}))
+        sys.stdout.flush()
 
 
 def main() -> None:

@@ -191,8 +191,11 @@ def build_server(
         loop="none",
         ws="websockets-sansio" if websockets else "none",
         ws_max_size=64 * 1024 * 1024,
-        ws_ping_interval=20.0,
-        ws_ping_timeout=20.0,
+        # No keepalive pings of the server's own: the router's only WebSockets are its
+        # workers', which prove they live with heartbeats (``routes/worker_socket``) and
+        # ping the router themselves; 10,000 of them were 500 pings and pongs a second.
+        ws_ping_interval=None,
+        ws_ping_timeout=None,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         timeout_keep_alive=keep_alive,
         lifespan="off",

@@ -10,8 +10,9 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from shoal.protocol.ids import JobId, ModelName, WorkerId
 from shoal.protocol.messages import (
@@ -28,6 +29,7 @@ from shoal.protocol.messages import (
 from shoal.protocol.telemetry import GpuSample
 from shoal.router.dispatch.job import Job
 from shoal.router.dispatch.scheduler import WorkerLoad, contexts_of
+from shoal.router.model_views import ModelView, ModelViews
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +83,17 @@ class WorkerConnection:
     """The prefix hashes its llama-server's slots hold (``CacheChanged``), with those of the
     jobs placed on it since (its report may not include them yet)."""
     outbox: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
+    took_job: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when a job is placed on it: its watchdog, idle till then, watches for a stall."""
     served: frozenset[tuple[ModelName, Endpoint]] = frozenset()
+    contexts: tuple[tuple[ModelName, int], ...] = ()
+    """Each model's context per slot, where known (``scheduler.contexts_of``)."""
+    _models_json: list[dict[str, object]] | None = None
+    """``models`` as JSON, kept from the first ``summary`` after they change (with Redis the
+    directory asks for it every sync)."""
+    watcher: Callable[[WorkerConnection], None] | None = None
+    """Told when its models, backend state or connection change: the ``Registry`` holding
+    it, which keeps its per-model views (``model_views``) up to date."""
 
     @classmethod
     def from_register(cls, msg: Register, peer: str) -> WorkerConnection:
@@ -121,6 +133,11 @@ class WorkerConnection:
         """What the worker reports its slots hold, plus the prefixes of its running jobs."""
         self.cached = frozenset(blocks).union(*(job.prefix for job in self.running.values()))
 
+    def hold(self, run: JobId, job: Job) -> None:
+        """``job`` runs here (as ``run``, its wire id): it holds a slot until it ends."""
+        self.running[run] = job
+        self.took_job.set()
+
     def note_prefix(self, prefix: tuple[int, ...]) -> None:
         """A job with ``prefix`` was placed here: its slot will hold it."""
         if prefix:
@@ -136,6 +153,13 @@ class WorkerConnection:
             )
         self.models = models
         self.served = frozenset((m.name, e) for m in models for e in m.endpoints)
+        self.contexts = contexts_of(models)
+        self._models_json = None
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.watcher is not None:
+            self.watcher(self)
 
     def move(self, new: ConnState, why: str) -> None:
         if new not in _ALLOWED[self.conn_state]:
@@ -144,6 +168,7 @@ class WorkerConnection:
             "worker %s (%s): connection %s -> %s: %s", self.id, self.name, self.conn_state, new, why
         )
         self.conn_state = new
+        self._changed()
 
     def set_backend_state(self, state: BackendState, detail: str, backend_url: str | None) -> None:
         """``backend_url``: where the backend serves now (a restarted llama-server listens on
@@ -157,9 +182,12 @@ class WorkerConnection:
                 state,
                 detail,
             )
+        changed = state is not self.backend_state
         self.backend_state = state
         self.detail = detail
         self.backend_url = backend_url
+        if changed:
+            self._changed()
 
     def send(self, message: Message) -> None:
         """Queue a frame for this worker's writer; never blocks."""
@@ -184,8 +212,18 @@ class WorkerConnection:
             running=len(self.running),
             last_assigned=self.last_assigned,
             cached=self.cached,
-            contexts=contexts_of(self.models),
+            contexts=self.contexts,
         )
+
+    def models_json(self) -> list[dict[str, object]]:
+        if self._models_json is None:
+            self._models_json = [m.model_dump(mode="json") for m in self.models]
+        return self._models_json
+
+    @cached_property
+    def hardware_json(self) -> dict[str, object]:
+        """``hardware`` as JSON (it is what the worker registered with: it never changes)."""
+        return self.hardware.model_dump(mode="json")
 
     def summary(self) -> dict[str, object]:
         return {
@@ -194,10 +232,10 @@ class WorkerConnection:
             "state": self.backend_state.value,
             "detail": self.detail,
             "connection": self.conn_state.value,
-            "models": [m.model_dump(mode="json") for m in self.models],
+            "models": self.models_json(),
             "slots": self.slots,
             "running_jobs": len(self.running),
-            "hardware": self.hardware.model_dump(mode="json"),
+            "hardware": self.hardware_json,
             "ram_available_bytes": self.ram_available_bytes,
             "gpu_free_bytes": list(self.gpu_free_bytes),
             "gpu_telemetry": [g.model_dump(mode="json") for g in self.gpu_telemetry],
@@ -214,22 +252,31 @@ class WorkerConnection:
 
 
 class Registry:
-    """Active workers by id."""
+    """Active workers by id, and what they add up to per model (``model_views``)."""
 
     def __init__(self) -> None:
         self._workers: dict[WorkerId, WorkerConnection] = {}
+        self._views = ModelViews()
 
     def add(self, conn: WorkerConnection) -> None:
+        old = self._workers.get(conn.id)
+        if old is not None and old is not conn:
+            self.remove(old)
         self._workers[conn.id] = conn
+        conn.watcher = self._views.put
+        self._views.put(conn)
 
     def remove(self, conn: WorkerConnection) -> None:
         if self._workers.get(conn.id) is conn:
             del self._workers[conn.id]
+            conn.watcher = None
+            self._views.drop(conn)
 
     def get(self, worker_id: WorkerId) -> WorkerConnection | None:
         return self._workers.get(worker_id)
 
     def __iter__(self) -> Iterator[WorkerConnection]:
+        """Every worker (a copy of the list: walking it is O(workers), for on-demand views)."""
         return iter(list(self._workers.values()))
 
     def __len__(self) -> int:
@@ -239,12 +286,27 @@ class Registry:
         """Each connected worker's id -> the name it was started with (``--name``)."""
         return {i: w.name for i, w in self._workers.items()}
 
-    def models(self) -> dict[ModelName, list[WorkerConnection]]:
-        by_model: dict[ModelName, list[WorkerConnection]] = {}
-        for w in self._workers.values():
-            for m in w.models:
-                by_model.setdefault(m.name, []).append(w)
-        return by_model
+    def model_names(self) -> Collection[ModelName]:
+        """The models some worker here serves."""
+        return self._views.models()
+
+    def view(self, model: ModelName) -> ModelView | None:
+        """What the workers serving ``model`` add up to; None if none does."""
+        return self._views.view(model)
+
+    def serving(self, model: ModelName, endpoint: Endpoint) -> Collection[WorkerConnection]:
+        """The workers serving ``model`` for ``endpoint``, without walking the others (not
+        to be iterated while workers join, leave or change)."""
+        return self._views.serving(model, endpoint)
+
+    def ready(self) -> int:
+        """How many workers are ready (connected, backend ready)."""
+        return self._views.ready()
 
     def model_info(self, name: ModelName) -> list[tuple[WorkerConnection, ModelInfo]]:
-        return [(w, m) for w in self._workers.values() for m in w.models if m.name == name]
+        """Each worker serving ``name``, with its entry for it."""
+        view = self._views.view(name)
+        if view is None:
+            return []
+        workers = (self._workers[i] for i in view.workers)
+        return [(w, m) for w in workers for m in w.models if m.name == name]

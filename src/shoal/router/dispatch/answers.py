@@ -51,13 +51,13 @@ def check_served(
     away: UnavailableReason,
 ) -> None:
     """Raise the answer for a request no worker anywhere could take; return if one could."""
-    local = registry.model_info(model)
+    view = registry.view(model)
     others = [r for r in remote if r.serves(model)]
-    if not local and not others:
+    if view is None and not others:
         why = away(model)
         if why:  # a deployment that is starting or degraded
             raise Unavailable(why, retry_after=RETRY_AFTER_NO_WORKER_S)
-        available = sorted(set(registry.models()) | {m.name for r in remote for m in r.models})
+        available = sorted({*registry.model_names(), *(m.name for r in remote for m in r.models)})
         hint = (
             f"Available: {', '.join(available)}."
             if available
@@ -66,7 +66,7 @@ def check_served(
         raise ModelNotFound(
             f"The model {model!r} is not served by any connected worker. {hint}", param="model"
         )
-    if any(endpoint in info.endpoints for _, info in local):
+    if view is not None and endpoint in view.endpoints:
         return
     if any(r.serves(model, endpoint) for r in others):
         return
@@ -76,9 +76,10 @@ def check_served(
 def contexts(
     model: ModelName, endpoint: Endpoint, registry: Registry, remote: Sequence[RemoteWorker]
 ) -> list[int | None]:
-    """The context per slot of every worker serving ``model`` for ``endpoint``, here and
-    (with Redis) at every other router; None where a worker does not say."""
-    local = [m.context_length for _, m in registry.model_info(model) if endpoint in m.endpoints]
+    """The context per slot of the workers serving ``model`` for ``endpoint``, here (each
+    size once) and (with Redis) at every other router; None where a worker does not say."""
+    view = registry.view(model)
+    local = list(view.contexts.get(endpoint, ())) if view is not None else []
     others = [
         m.context_length
         for r in remote

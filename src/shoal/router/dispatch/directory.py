@@ -9,8 +9,10 @@ as of the last sync (pull workers' entries too). A sync runs every ``interval_s`
 after ``changed()`` (a worker joined or left here), and after ``soon()`` (a job started or
 ended here, a job this router sent ended anywhere, or a worker's slots hold something new)
 at most every ``PUSH_GAP_S``: what a worker holds and how busy it is reach the other routers
-promptly, bounded in rate. They read it at their own next sync (their interval, or a change
-of theirs).
+promptly, bounded in rate (and both no sooner than ``SYNC_PAUSE`` times the last sync's
+duration after it: a sync is O(this router's workers), and thousands joining must not make
+it run back to back). They read it at their own next sync (their interval, or a change of
+theirs).
 
 ``hold_for`` is who should claim a job with a given prefix (``scheduler.hold_for`` over this
 router's workers and every other one listed): the router holding the worker, or a pull worker
@@ -24,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +50,10 @@ log = logging.getLogger(__name__)
 
 PUSH_GAP_S = 0.2
 """The least time between two syncs brought on by ``soon()`` (jobs starting and ending)."""
+SYNC_PAUSE = 4.0
+"""A sync that took T seconds is followed by one brought on by a change no sooner than
+``SYNC_PAUSE`` x T later: however large the fleet (a sync is O(its workers)), syncing takes
+at most a fifth of the router's time while workers join (each join is a ``changed()``)."""
 _TAKES_JOBS = frozenset({BackendState.READY, BackendState.UNLOADED})
 
 
@@ -140,7 +147,8 @@ class WorkerDirectory:
         self._registry = registry
         self._interval_s = interval_s
         self._ttl_ms = int(interval_s * 3000) + 1000  # three missed syncs and it is gone
-        self._written: set[str] = set()
+        self._written: dict[str, int] = {}
+        """Each worker written, with the hash of its entry as written (``sync``)."""
         self._changed = asyncio.Event()
         self._now = False  # changed() since the last sync, not only soon()
         self._synced_at = 0.0
@@ -160,15 +168,21 @@ class WorkerDirectory:
     ) -> str | None:
         """The consumer (a router, or a pull worker) whose worker should run a job with
         ``prefix`` and ``need`` (``scheduler.hold_for``), over this router's workers as they
-        are and the others as of the last sync (``RemoteWorker.claimer``)."""
-        owned = [(self.router, w.load()) for w in self._registry]
-        owned += [(c, r.load()) for r in self.remote if (c := r.claimer) is not None]
+        are and the others as of the last sync (``RemoteWorker.claimer``); only those serving
+        ``model`` for ``endpoint`` (``scheduler.hold_for`` passes over the others)."""
+        owned = [(self.router, w.load()) for w in self._registry.serving(model, endpoint)]
+        owned += [
+            (c, r.load())
+            for r in self.remote
+            if (c := r.claimer) is not None and r.serves(model, endpoint)
+        ]
         return hold_for(owned, model, endpoint, prefix, need)
 
     async def run(self) -> None:
         delay = self._interval_s
         try:
             while True:
+                started = time.monotonic()
                 try:
                     await self.sync()
                     delay = self._interval_s
@@ -178,32 +192,56 @@ class WorkerDirectory:
                     delay = min(delay * 2, RETRY_MAX_DELAY_S)
                 raise_if_cancelled()
                 self._synced_at = time.monotonic()
+                took = self._synced_at - started
                 self._now = False
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(delay):
                         await self._changed.wait()
-                gap = self._synced_at + PUSH_GAP_S - time.monotonic()
-                if not self._now and gap > 0:
-                    await asyncio.sleep(gap)  # the rate bound of soon(): later ones join in
+                least = SYNC_PAUSE * took if self._now else max(PUSH_GAP_S, SYNC_PAUSE * took)
+                gap = self._synced_at + least - time.monotonic()
+                if gap > 0:
+                    await asyncio.sleep(gap)  # the rate bound: later changes join in
                 self._changed.clear()
         finally:
             with contextlib.suppress(*REDIS_DOWN):
-                await self._forget(self._written)
+                await self._forget(set(self._written))
 
     async def sync(self) -> None:
-        """Write this router's workers, delete the ones that left, read everyone's."""
+        """Write this router's workers, delete the ones that left, read the others'.
+
+        A worker whose entry has not changed since it was last written (all but how long ago
+        it was heard from) only has its TTL renewed: an idle fleet costs a ``PEXPIRE`` per
+        worker per sync, not a rewrite (its ``last_seen_s_ago`` there is as of its last
+        write; the TTL says it is alive). An entry gone from Redis (its ``PEXPIRE`` found
+        nothing) is written again at the next sync."""
         index = worker_index_key(self._prefix)
-        mine = {w.id: w.summary() for w in self._registry}
+        written: dict[str, int] = {}
+        renewed: list[tuple[str, int]] = []  # (worker, where its PEXPIRE's reply is)
+        commands = 0
         async with self._redis.pipeline(transaction=False) as pipe:
-            for worker_id, summary in mine.items():
-                key = worker_key(self._prefix, worker_id)
-                pipe.hset(key, mapping={"router": self.router, "summary": orjson.dumps(summary)})
+            for w in self._registry:
+                summary = w.summary()
+                seen = summary.pop("last_seen_s_ago")
+                stamp = hash(orjson.dumps(summary))
+                key = worker_key(self._prefix, w.id)
+                written[w.id] = stamp
+                if self._written.get(w.id) != stamp:
+                    summary["last_seen_s_ago"] = seen
+                    entry = orjson.dumps(summary)
+                    pipe.hset(key, mapping={"router": self.router, "summary": entry})
+                    pipe.sadd(index, w.id)
+                    commands += 2
+                else:
+                    renewed.append((w.id, commands))
                 pipe.pexpire(key, self._ttl_ms)
-                pipe.sadd(index, worker_id)
-            await pipe.execute()
-        await self._forget(self._written - set(mine))
-        self._written = set(mine)
-        self.remote = await self._read_all(index)
+                commands += 1
+            replies = await pipe.execute()
+        for worker_id, at in renewed:
+            if not replies[at]:
+                del written[worker_id]  # its entry is gone from Redis: written next time
+        await self._forget(set(self._written) - set(written))
+        self._written = written
+        self.remote = await self._read_all(index, skip=written.keys())
         if self.remote:
             self.heard_at = time.monotonic()
 
@@ -223,8 +261,9 @@ class WorkerDirectory:
                     pipe.unlink(worker_key(self._prefix, worker_id))
             await pipe.execute()
 
-    async def _read_all(self, index: str) -> list[RemoteWorker]:
-        ids = sorted(text(i) for i in await self._redis.smembers(index))
+    async def _read_all(self, index: str, skip: Collection[str]) -> list[RemoteWorker]:
+        """Every worker listed but this router's own (``skip``: it knows them already)."""
+        ids = sorted(i for i in map(text, await self._redis.smembers(index)) if i not in skip)
         async with self._redis.pipeline(transaction=False) as pipe:
             for worker_id in ids:
                 pipe.hmget(worker_key(self._prefix, worker_id), ["router", "summary"])

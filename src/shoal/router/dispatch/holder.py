@@ -96,21 +96,24 @@ class Holder:
             if w.available:
                 keys |= w.served
                 free += max(w.slots - len(w.running), 0)
-        loads = [w.load() for w in self.registry]
-        limits = {key: claim_limit(loads, *key) for key in keys}
+        limits = {
+            key: claim_limit((w.load() for w in self.registry.serving(*key)), *key) for key in keys
+        }
         return sorted(keys), free - len(self._unplaced), limits
 
     def kick(self) -> None:
         """A slot may have freed or a worker joined: place waiting jobs, claim more.
 
         A claimed job that no worker here serves any more (it left), or none with the
-        context it needs, goes back to Redis.
+        context it needs, goes back to Redis. Only the workers serving a waiting job's model
+        are looked at (a worker joining, with nothing waiting here, costs nothing).
         """
-        loads = [w.load() for w in self.registry if w.available]
         for _ in range(len(self._unplaced)):
             claimed = self._unplaced.popleft()
             job = claimed.job
-            if not any((job.model, job.endpoint) in w.models for w in loads):
+            serving = self.registry.serving(job.model, job.endpoint)
+            loads = [w.load() for w in serving if w.available]
+            if not loads:
                 self.loops.send(GiveBack(claimed, "no worker of this router serves it any more"))
             elif not any(w.fits(job.model, job.need) for w in loads):
                 self.loops.send(GiveBack(claimed, "no worker of this router has its context"))
@@ -159,7 +162,7 @@ class Holder:
         model = worker.models[0].name if worker.models else ModelName("?")
         for running in jobs:
             stand_in = Job(running.job_id, model, Endpoint.CHAT, stream=False, body={})
-            worker.running[running.job_id] = stand_in
+            worker.hold(running.job_id, stand_in)
         self._adoptions.put_nowait((worker, tuple(jobs)))
 
     async def run_adoptions(self) -> None:

@@ -221,9 +221,7 @@ class MemoryDispatcher:
             self._queue_moved()
 
     def _free_slot(self, key: tuple[ModelName, Endpoint]) -> bool:
-        return any(
-            w.available and key in w.served and len(w.running) < w.slots for w in self.registry
-        )
+        return any(w.available and len(w.running) < w.slots for w in self.registry.serving(*key))
 
     def _pass_over(self, queue: FairQueue[Job], now: float) -> bool:
         """Place the jobs that free workers can take, in the queue's order; True if any."""
@@ -275,7 +273,7 @@ class MemoryDispatcher:
     def go_on(self, ticket: Job, resume: Continuation, why: str, reason: str) -> bool:
         """Back to the head of its queue, to go on from ``resume`` on the next worker; not
         when no worker here serves its model any more (its stream ends as it would have)."""
-        if not any((ticket.model, ticket.endpoint) in w.served for w in self.registry):
+        if not self.registry.serving(ticket.model, ticket.endpoint):
             return False
         ticket.resume = resume
         if reason == PREEMPTED:  # (not a loss: it does not use up --resume-attempts)

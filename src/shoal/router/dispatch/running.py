@@ -171,7 +171,7 @@ class Running(Generic[T]):
         job.worker_id = worker.id
         job.transition(JobState.ASSIGNED, f"worker {worker.id}")
         run = self._runs[job.id] = run_id(job)
-        worker.running[run] = job
+        worker.hold(run, job)
         worker.last_assigned = time.monotonic()
         answer = AnswerSoFar() if resume is None else AnswerSoFar.going_on(resume)
         self._placed[run] = Placed(ticket, job, worker, attempt, answer)
@@ -203,11 +203,13 @@ class Running(Generic[T]):
     def _pick(self, job: Job, prefix: tuple[int, ...]) -> WorkerConnection | None:
         """The scheduler's worker for ``job`` (by ``prefix`` held, then load); not the one
         that just failed it mid-answer while another can take it (its llama-server may not
-        have said yet that it died)."""
-        others = (w.load() for w in self.registry if w.id != job.avoid)
+        have said yet that it died). Only the workers serving its model and endpoint are
+        looked at (``Registry.serving``): the others are no candidates anyway."""
+        serving = self.registry.serving(job.model, job.endpoint)
+        others = (w.load() for w in serving if w.id != job.avoid)
         worker_id = pick_worker(others, job.model, job.endpoint, prefix, job.need)
         if worker_id is None and job.avoid is not None:
-            everyone = (w.load() for w in self.registry)
+            everyone = (w.load() for w in serving)
             worker_id = pick_worker(everyone, job.model, job.endpoint, prefix, job.need)
         return self.registry.get(worker_id) if worker_id else None
 
@@ -226,7 +228,7 @@ class Running(Generic[T]):
         client has of it, when known (its trail in Redis)."""
         job.worker_id = worker.id
         job.transition(JobState.ASSIGNED, f"adopted on worker {worker.id}")
-        worker.running[job.id] = job
+        worker.hold(job.id, job)
         if answer is None or not started:
             answer = AnswerSoFar.unknown() if started else AnswerSoFar()
         self._runs[job.id] = job.id
@@ -372,11 +374,10 @@ class Running(Generic[T]):
         slot freed: none is left idle); False: none was."""
         if not self._preempt:
             return False
-        served = (job.model, job.endpoint)
         workers = [
             w
-            for w in self.registry
-            if w.available and served in w.served and w.load().fits(job.model, job.need)
+            for w in self.registry.serving(job.model, job.endpoint)
+            if w.available and w.load().fits(job.model, job.need)
         ]
         running = [
             self._candidate(run, other)

@@ -28,17 +28,16 @@ async def health(request: Request) -> Response:
         open_scopes: list[str] | None = [s.value for s in await ctx.keys.open_scopes()]
     except Unavailable:  # the key database is down: liveness does not depend on it
         open_scopes = None
-    local = list(ctx.registry)
     remote = ctx.dispatcher.remote_workers()
-    ready = sum(1 for w in local if w.ready)
+    ready = ctx.registry.ready()
     ready += sum(1 for r in remote if r.state is BackendState.READY)
-    models = set(ctx.registry.models()) | {m.name for r in remote for m in r.models}
+    models = {*ctx.registry.model_names(), *(m.name for r in remote for m in r.models)}
     return json_response(
         {
             "status": "ok" if ready else "no_ready_workers",
             "version": __version__,
             "queue": ctx.dispatcher.queue_backend,
-            "workers": len(local) + len(remote),
+            "workers": len(ctx.registry) + len(remote),
             "ready_workers": ready,
             "models": sorted(models),
             "open_scopes": open_scopes,

@@ -33,13 +33,10 @@ def model_state(states: Counter[BackendState]) -> str:
     return next((s.value for s in _STATE_ORDER if states[s]), BackendState.FAILED.value)
 
 
-def _served(request: Request, name: ModelName) -> list[tuple[BackendState, float, ModelInfo]]:
-    """The workers serving ``name``: this router's, then other routers' (with Redis)."""
-    ctx = context(request)
-    served = [
-        (m.state or w.backend_state, w.connected_at, m) for w, m in ctx.registry.model_info(name)
-    ]
-    for r in ctx.dispatcher.remote_workers():
+def _remote(request: Request, name: ModelName) -> list[tuple[BackendState, float, ModelInfo]]:
+    """Other routers' workers serving ``name`` (with Redis), as of the last directory sync."""
+    served = []
+    for r in context(request).dispatcher.remote_workers():
         served += [(m.state or r.state, r.connected_at, m) for m in r.models if m.name == name]
     return served
 
@@ -47,28 +44,35 @@ def _served(request: Request, name: ModelName) -> list[tuple[BackendState, float
 def _model_names(request: Request) -> set[str]:
     ctx = context(request)
     remote = {m.name for r in ctx.dispatcher.remote_workers() for m in r.models}
-    return set(ctx.registry.models()) | remote
+    return {*ctx.registry.model_names(), *remote}
 
 
 def _model_entry(request: Request, name: str) -> dict[str, object]:
+    """One model's entry: this router's workers from its per-model view (``model_views``),
+    other routers' (with Redis) from the directory."""
     ctx = context(request)
-    served = _served(request, ModelName(name))
-    created = int(min((at for _, at, _ in served), default=0))
-    ready = sum(1 for state, _, _ in served if state is BackendState.READY)
-    states = Counter(state for state, _, _ in served)
-    endpoints = sorted({e.path for _, _, m in served for e in m.endpoints})
-    ctx_len = max((m.context_length or 0 for _, _, m in served), default=0) or None
+    view = ctx.registry.view(ModelName(name))
+    remote = _remote(request, ModelName(name))
+    states = Counter(state for state, _, _ in remote)
+    created = [int(at) for _, at, _ in remote]
+    endpoints = {e.path for _, _, m in remote for e in m.endpoints}
+    contexts = [m.context_length or 0 for _, _, m in remote]
+    if view is not None:
+        states.update(view.states)
+        created.append(min(view.created))
+        endpoints |= {e.path for e in view.endpoints}
+        contexts += [n or 0 for n in view.context]
     return {
         "id": name,
         "object": "model",
-        "created": created,
+        "created": min(created, default=0),
         "owned_by": "shoal",
-        "workers": len(served),
-        "ready_workers": ready,
+        "workers": sum(states.values()),
+        "ready_workers": states[BackendState.READY],
         "state": model_state(states),
         "workers_by_state": {state.value: n for state, n in sorted(states.items())},
-        "endpoints": endpoints,
-        "context_length": ctx_len,
+        "endpoints": sorted(endpoints),
+        "context_length": max(contexts, default=0) or None,
         "queued": ctx.dispatcher.queue_depths().get(ModelName(name), 0),
     }
 

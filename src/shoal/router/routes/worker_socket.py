@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Iterator
 
 import orjson
 from fastapi import APIRouter, WebSocket
@@ -224,7 +225,11 @@ async def _write(ws: WebSocket, worker: WorkerConnection) -> None:
 
 
 async def _watchdog(worker: WorkerConnection, ctx: RouterContext) -> None:
-    """Drop the worker when its heartbeats stop, or sooner when it is frozen (``stall``)."""
+    """Drop the worker when its heartbeats stop, or sooner when it is frozen (``stall``).
+
+    While it holds no job there is no stall to watch for: it wakes at the heartbeat
+    deadline, or when a job is placed on it (``took_job``), so an idle worker costs a
+    wake-up every few heartbeats instead of one per heartbeat."""
     timeout, stall = ctx.settings.heartbeat_timeout, ctx.settings.stall_timeout
     dispatcher = ctx.dispatcher
     while True:
@@ -242,17 +247,28 @@ async def _watchdog(worker: WorkerConnection, ctx: RouterContext) -> None:
                 ", ".join(worker.running),
             )
             raise Stalled
+        if stall > 0 and not worker.running:
+            worker.took_job.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await worker.took_job.wait()
+            continue
         if stall > 0:
             delay = min(delay, next_check(now, worker.last_seen, stall))
         await asyncio.sleep(delay)
 
 
-def _others(dispatcher: Dispatcher, worker: WorkerConnection) -> list[float]:
+def _others(dispatcher: Dispatcher, worker: WorkerConnection) -> Iterator[float]:
     """When each other worker was last heard from: this router's, and with Redis the
-    cluster's (its last directory sync that found another router's worker)."""
-    seen = [w.last_seen for w in dispatcher.workers.registry if w is not worker]
+    cluster's (its last directory sync that found another router's worker).
+
+    Lazy: ``frozen`` reads it only for a worker that holds jobs and has been silent for the
+    stall timeout, so a watchdog's wake-up (one per worker per heartbeat) stays O(1) instead
+    of walking every worker (which made an idle fleet's cost grow with its square)."""
     cluster = dispatcher.heard_from_cluster()
-    return seen if cluster is None else [*seen, cluster]
+    if cluster is not None:
+        yield cluster
+    yield from (w.last_seen for w in dispatcher.workers.registry if w is not worker)
 
 
 async def _close_quietly(ws: WebSocket, code: int, reason: str) -> None:

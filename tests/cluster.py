@@ -54,6 +54,10 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @dataclass
 class Proc:
     name: str
@@ -61,6 +65,10 @@ class Proc:
     log_path: Path
     env: dict[str, str]
     popen: subprocess.Popen[bytes] | None = None
+    ctrl_c: bool = False
+    """Start it as a terminal would, Ctrl-C (SIGINT) at its default action, even where this
+    test run ignores SIGINT (started in the background by a script, as CI may be): a program
+    inherits an ignored SIGINT and, as it should, never sees a Ctrl-C then."""
 
     def start(self) -> Proc:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -71,6 +79,7 @@ class Proc:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=self.env,
+            preexec_fn=_sigint_default if self.ctrl_c else None,
         )
         log.close()
         return self

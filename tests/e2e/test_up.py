@@ -181,13 +181,16 @@ def test_ctrl_c_while_shoal_up_starts_exits_without_a_traceback(
     argv += ["--llama-server-path", str(llama_server), "--model", str(model_path)]
     argv += ["--slots", "1", "--cache-dir", str(tmp_path / "cache")]
     variables = {CLUSTER_TAG: str(tmp_path), "SHOAL_DATABASE_URL": f"sqlite:///{tmp_path}/s.db"}
-    proc = Proc("up", argv, tmp_path / "up.log", clean_env(**variables)).start()
-    if moment == "importing":
-        wait_until(lambda: _has_loaded(proc.pid, "pydantic_core"), 60, "the imports", 0.001)
-    else:
-        wait_until(lambda: "shoal.keys" in proc.log(), 90, "the start", 0.01)
-    proc.signal(signal.SIGINT)
-    code = proc.wait(60)
+    proc = Proc("up", argv, tmp_path / "up.log", clean_env(**variables), ctrl_c=True).start()
+    try:
+        if moment == "importing":
+            wait_until(lambda: _has_loaded(proc.pid, "pydantic_core"), 60, "the imports", 0.001)
+        else:
+            wait_until(lambda: "shoal.keys" in proc.log(), 90, "the start", 0.01)
+        proc.signal(signal.SIGINT)
+        code = proc.wait(60)
+    finally:
+        proc.stop()  # still running only when the test failed: leave nothing behind
     log = proc.log()
     assert "Traceback" not in log, log[-3000:]
     assert code == (130 if moment == "importing" else 0), log[-3000:]

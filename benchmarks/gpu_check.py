@@ -135,7 +135,7 @@ def overhead(rounds: int) -> dict[str, Any]:
         for r in result["results"].get("rows", []):
             figures = (
                 f"TTFT p50 {r['direct_ttft_ms']:.1f} -> {r['shoal_ttft_ms']:.1f} ms "
-                f"(+{r['added_ttft_ms']:.2f}), gap +{r['added_gap_ms']:.2f} ms, "
+                f"({r['added_ttft_ms']:+.2f}), gap {r['added_gap_ms']:+.2f} ms, "
                 f"{r['throughput_ratio']:.3f}x"
             )
             rows.append((f"overhead {r['backend']} x{r['streams']}", r["verdict"], figures))

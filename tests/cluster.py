@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,26 @@ def wait_until(check: Callable[[], Any], timeout: float, what: str, every: float
             last_error = exc
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what} ({last_error!r})")
+
+
+@contextmanager
+def plain_llama_server(binary: Path, model: Path, log_path: Path, *args: str) -> Iterator[str]:
+    """A llama-server of ``model`` on a free port with ``args``, started here (no worker's):
+    its URL once it answers ``/health``; stopped on leaving."""
+    port = free_port()
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [str(binary), "-m", str(model), "--port", str(port), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_until(lambda: httpx.get(url + "/health").status_code == 200, 60, "llama-server")
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(10)
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from cluster import Cluster, Router, free_port, iter_sse, keys_cli, wait_until
+from cluster import Cluster, Router, iter_sse, keys_cli, plain_llama_server, wait_until
 from fakes.fake_vllm import FakeVllm
 
 pytestmark = pytest.mark.e2e
@@ -24,36 +23,9 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture
 def external_llama(llama_server: Path, model_path: Path, tmp_path: Path) -> Iterator[str]:
     """A llama-server the worker did not start, answering to another model name."""
-    port = free_port()
-    log = (tmp_path / "external.log").open("wb")
-    proc = subprocess.Popen(
-        [
-            str(llama_server),
-            "-m",
-            str(model_path),
-            "--alias",
-            "backend-name",
-            "--port",
-            str(port),
-            "-np",
-            "2",
-            "-c",
-            "4096",
-            "--threads",
-            "1",
-            "--no-webui",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: httpx.get(url + "/health").status_code == 200, 60, "llama-server")
+    args = ("--alias", "backend-name", "-np", "2", "-c", "4096", "--threads", "1", "--no-webui")
+    with plain_llama_server(llama_server, model_path, tmp_path / "external.log", *args) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
 
 
 def test_attached_backend_serves_under_public_name(

@@ -3,7 +3,6 @@ and, against a real llama-server, that the continued text is exactly the uninter
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cluster import free_port, wait_until
+from cluster import plain_llama_server
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import (
     Continuation,
@@ -201,23 +200,11 @@ def test_a_whole_answer_that_goes_on_puts_the_text_before_first() -> None:
 def _serve(
     llama_server: Path, model_path: Path, tmp: pytest.TempPathFactory, *extra: str
 ) -> Iterator[str]:
-    port = free_port()
-    log = (tmp.mktemp("llama") / "llama.log").open("wb")
-    proc = subprocess.Popen(
-        [str(llama_server), "-m", str(model_path), "--alias", MODEL, "--port", str(port)]
-        + ["-np", "1", "-c", "2048", "--threads", "1", "--no-webui", "--cache-ram", "0"]
-        + ["--slot-save-path", str(tmp.mktemp("slots")), *extra],  # (to erase the slot)
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: httpx.get(url + "/health").status_code == 200, 60, "llama-server")
+    args = ["--alias", MODEL, "-np", "1", "-c", "2048", "--threads", "1", "--no-webui"]
+    args += ["--cache-ram", "0", "--slot-save-path", str(tmp.mktemp("slots")), *extra]
+    log = tmp.mktemp("llama") / "llama.log"  # (the slot-save path: to erase the slot)
+    with plain_llama_server(llama_server, model_path, log, *args) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
 
 
 @pytest.fixture(scope="module")

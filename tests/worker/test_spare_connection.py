@@ -4,16 +4,14 @@ connection after every streamed answer. Real llama-server, the default model."""
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import aiohttp
-import httpx
 import pytest
 
-from cluster import free_port, wait_until
+from cluster import plain_llama_server
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import Endpoint, JobDone, JobStart
 from shoal.worker import loopback
@@ -27,22 +25,10 @@ MODEL = "m"
 def llama_url(
     llama_server: Path, model_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
-    port = free_port()
-    log = (tmp_path_factory.mktemp("llama") / "llama.log").open("wb")
-    proc = subprocess.Popen(
-        [str(llama_server), "-m", str(model_path), "--alias", MODEL, "--port", str(port)]
-        + ["-np", "1", "-c", "2048", "--threads", "1", "--no-webui"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: httpx.get(url + "/health").status_code == 200, 60, "llama-server")
+    args = ("--alias", MODEL, "-np", "1", "-c", "2048", "--threads", "1", "--no-webui")
+    log = tmp_path_factory.mktemp("llama") / "llama.log"
+    with plain_llama_server(llama_server, model_path, log, *args) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
 
 
 class Outcomes:

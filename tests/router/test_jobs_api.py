@@ -24,6 +24,7 @@ from socketless import memory_dispatcher, worker_connection
 from starlette.datastructures import Headers
 
 from shoal.keys.records import Queueing
+from shoal.lifecycle import IllegalTransition
 from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import (
     Endpoint,
@@ -59,7 +60,6 @@ from shoal.router.async_jobs.service import (
 from shoal.router.async_jobs.store import JobStore
 from shoal.router.dispatch.fair_queue import Priority, Tenant
 from shoal.router.dispatch.interface import Dispatcher
-from shoal.router.dispatch.job import IllegalTransition
 from shoal.router.errors import BadRequest, ModelNotFound, Unauthorized
 from shoal.router.requests import RequestLimits
 from shoal.router.routes import jobs as jobs_routes

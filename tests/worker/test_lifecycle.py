@@ -12,10 +12,10 @@ from collections.abc import Mapping
 
 import pytest
 
+from shoal.lifecycle import IllegalTransition, Lifecycle, Transitions
 from shoal.protocol.messages import BackendState
 from shoal.protocol.shards import ShardState
 from shoal.worker import attached, image_service, link, llama_server, redis_pull, shards
-from shoal.worker.lifecycle import IllegalTransition, Lifecycle
 from shoal.worker.link import LinkState
 from shoal.worker.redis_pull import PullState
 
@@ -129,4 +129,4 @@ def test_each_move_logs_one_line_naming_what_moved(caplog: pytest.LogCaptureFixt
 def test_a_table_must_name_every_state() -> None:
     partial = {B.LOADING: frozenset({B.READY}), B.READY: frozenset()}
     with pytest.raises(ValueError, match="leaves out"):
-        Lifecycle("partial", partial, B.LOADING, logging.getLogger(__name__))
+        Transitions(partial)

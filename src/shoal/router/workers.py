@@ -2,6 +2,9 @@
 
 OPEN ──Register ok──▶ ACTIVE ──socket closed / heartbeat missed / bad frame──▶ CLOSED
   └──refused─────────────────────────────────────────────────────────────────▶ CLOSED
+
+``ALLOWED`` is that diagram as a table (``shoal.lifecycle``); any other move raises
+``IllegalTransition``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from shoal.lifecycle import Transitions
 from shoal.protocol.ids import JobId, ModelName, WorkerId
 from shoal.protocol.messages import (
     BackendState,
@@ -40,11 +44,13 @@ class ConnState(enum.StrEnum):
     CLOSED = "closed"
 
 
-_ALLOWED = {
-    ConnState.OPEN: {ConnState.ACTIVE, ConnState.CLOSED},
-    ConnState.ACTIVE: {ConnState.CLOSED},
-    ConnState.CLOSED: set(),
-}
+ALLOWED = Transitions(
+    {
+        ConnState.OPEN: {ConnState.ACTIVE, ConnState.CLOSED},
+        ConnState.ACTIVE: {ConnState.CLOSED},
+        ConnState.CLOSED: set(),
+    }
+)
 
 
 _TAKES_JOBS = frozenset({BackendState.READY, BackendState.UNLOADED})
@@ -162,12 +168,8 @@ class WorkerConnection:
             self.watcher(self)
 
     def move(self, new: ConnState, why: str) -> None:
-        if new not in _ALLOWED[self.conn_state]:
-            raise RuntimeError(f"worker {self.id}: {self.conn_state} -> {new} is not allowed")
-        log.info(
-            "worker %s (%s): connection %s -> %s: %s", self.id, self.name, self.conn_state, new, why
-        )
-        self.conn_state = new
+        who = f"worker {self.id} ({self.name}) connection"
+        self.conn_state = ALLOWED.move(who, self.conn_state, new, why, log)
         self._changed()
 
     def set_backend_state(self, state: BackendState, detail: str, backend_url: str | None) -> None:

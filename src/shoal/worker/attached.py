@@ -2,7 +2,8 @@
 
 LOADING ──/v1/models answers──▶ READY ──3 failed checks──▶ LOADING ...
 
-``ALLOWED`` is that diagram as a table; any other move raises ``IllegalTransition``.
+``ALLOWED`` is that diagram as a table (``shoal.lifecycle``); any other move raises
+``IllegalTransition``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from shoal.lifecycle import Lifecycle, Transitions
 from shoal.protocol.messages import BackendState
-from shoal.worker.lifecycle import Lifecycle
-from shoal.worker.llama_server import StateCallback
+from shoal.worker.lifecycle import StateCallback
 
 log = logging.getLogger(__name__)
 
@@ -26,13 +27,15 @@ CHECK_PERIOD_WHILE_DOWN_S = 2.0
 CHECK_TIMEOUT_S = 5.0
 FAILURES_BEFORE_DOWN = 3
 
-ALLOWED: dict[BackendState, frozenset[BackendState]] = {
-    BackendState.LOADING: frozenset({BackendState.READY}),
-    BackendState.READY: frozenset({BackendState.LOADING}),
-    BackendState.RESTARTING: frozenset(),  # not ours to restart, unload or give up on
-    BackendState.UNLOADED: frozenset(),
-    BackendState.FAILED: frozenset(),
-}
+ALLOWED = Transitions(
+    {
+        BackendState.LOADING: frozenset({BackendState.READY}),
+        BackendState.READY: frozenset({BackendState.LOADING}),
+        BackendState.RESTARTING: frozenset(),  # not ours to restart, unload or give up on
+        BackendState.UNLOADED: frozenset(),
+        BackendState.FAILED: frozenset(),
+    }
+)
 
 
 @dataclass

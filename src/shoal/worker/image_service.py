@@ -5,10 +5,12 @@
        │  └───────────────a job arrives (it waits), or load()────────────────┘
        └──load failed──▶ FAILED ──load() (retry)──▶ LOADING
 
-``ALLOWED`` is that diagram as a table; any other move raises ``IllegalTransition``. A model
-past ``--image-max-loaded`` starts UNLOADED (``loaded_at_start=False``). ``use`` is the gate of
-its jobs, like ``LlamaServer.use`` for text: it loads the model when it is unloaded and holds it
-while the job runs. Nothing polls: ``run`` waits on events and on the idle deadline.
+``ALLOWED`` is that diagram as a table (``shoal.lifecycle``); any other move raises
+``IllegalTransition``. A model past ``--image-max-loaded`` starts UNLOADED
+(``loaded_at_start=False``). ``use`` is the gate of its jobs, like ``LlamaServer.use`` for
+text (both wait in ``BackendLifecycle.until_ready``): it loads the model when it is unloaded
+and holds it while the job runs. Nothing polls: ``run`` waits on events and on the idle
+deadline.
 """
 
 from __future__ import annotations
@@ -17,26 +19,28 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
+from shoal.lifecycle import Transitions
 from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import BackendState, Endpoint, ModelInfo
 from shoal.worker.image_engine import ImageEngine, ImageEngineError
-from shoal.worker.lifecycle import Lifecycle
+from shoal.worker.lifecycle import BackendLifecycle, StateCallback
 from shoal.worker.llama_server import NotServing
 
 log = logging.getLogger(__name__)
 
-StateCallback = Callable[[BackendState, str], None]
 IMAGE_MODEL_ENDPOINTS = (Endpoint.IMAGE_GENERATIONS, Endpoint.IMAGE_EDITS)
 
-ALLOWED: dict[BackendState, frozenset[BackendState]] = {
-    BackendState.LOADING: frozenset({BackendState.READY, BackendState.FAILED}),
-    BackendState.READY: frozenset({BackendState.UNLOADED}),
-    BackendState.UNLOADED: frozenset({BackendState.LOADING}),
-    BackendState.FAILED: frozenset({BackendState.LOADING}),
-    BackendState.RESTARTING: frozenset(),  # never an image model's state
-}
+ALLOWED = Transitions(
+    {
+        BackendState.LOADING: frozenset({BackendState.READY, BackendState.FAILED}),
+        BackendState.READY: frozenset({BackendState.UNLOADED}),
+        BackendState.UNLOADED: frozenset({BackendState.LOADING}),
+        BackendState.FAILED: frozenset({BackendState.LOADING}),
+        BackendState.RESTARTING: frozenset(),  # never an image model's state
+    }
+)
 
 
 class ImageNotServing(NotServing):
@@ -58,15 +62,12 @@ class ImageService:
         self.name = name
         self.engine = engine
         self.idle_unload_s = idle_unload_s
-        self.on_state = on_state
         start = BackendState.LOADING if loaded_at_start else BackendState.UNLOADED
-        self._life = Lifecycle(f"image model {name}", ALLOWED, start, log)
-        self.detail = ""
+        self._life = BackendLifecycle(f"image model {name}", ALLOWED, start, on_state, log)
+        """Its ``wanted`` is set when a job (or ``load()``) needs the model while it is
+        unloaded or failed."""
         self._active = 0
         self._last_job_at = time.monotonic()
-        self._changed = asyncio.Event()
-        self._wanted = asyncio.Event()
-        """A job (or ``load()``) needs the model while it is unloaded or failed."""
         self._poke = asyncio.Event()
         """A job ended, or ``unload()`` was asked: the idle deadline is looked at again."""
         self._unload_asked = False
@@ -83,12 +84,9 @@ class ImageService:
     def state(self) -> BackendState:
         return self._life.state
 
-    def _move(self, state: BackendState, detail: str = "") -> None:
-        self._life.move(state, detail)
-        self.detail = detail
-        self._changed.set()
-        self._changed = asyncio.Event()
-        self.on_state(state, detail)
+    @property
+    def detail(self) -> str:
+        return self._life.detail
 
     # ------------------------------------------------------------ requests
 
@@ -98,12 +96,7 @@ class ImageService:
         when loading fails while the job waits."""
         self._active += 1
         try:
-            while self.state is not BackendState.READY:
-                if self.state is BackendState.FAILED:
-                    raise ImageNotServing(self.detail)
-                if self.state is BackendState.UNLOADED:
-                    self._wanted.set()
-                await self._changed.wait()
+            await self._life.until_ready(ImageNotServing)
             yield
         finally:
             self._active -= 1
@@ -117,12 +110,12 @@ class ImageService:
 
     async def wait_for(self, *states: BackendState) -> None:
         while self.state not in states:
-            await self._changed.wait()
+            await self._life.changed.wait()
 
     def load(self) -> None:
         """Load the model now (or retry a failed load); ``run`` does it."""
         self._unload_asked = False
-        self._wanted.set()
+        self._life.wanted.set()
 
     def unload(self) -> None:
         """Unload the model once no job holds it; the next job loads it again."""
@@ -140,10 +133,8 @@ class ImageService:
                 if self.state is BackendState.READY:
                     why = await self._until_unload()
                     await self.engine.unload()
-                    self._move(BackendState.UNLOADED, why)
-                await self._wanted.wait()
-                self._wanted.clear()
-                self._move(BackendState.LOADING, "a job arrived, or a load was asked")
+                    self._life.move(BackendState.UNLOADED, why)
+                await self._life.load_when_wanted("a job arrived, or a load was asked")
         finally:
             with contextlib.suppress(ImageEngineError):
                 await self.engine.unload()
@@ -153,11 +144,11 @@ class ImageService:
         try:
             await self.engine.load()
         except ImageEngineError as exc:
-            self._move(BackendState.FAILED, str(exc))
+            self._life.move(BackendState.FAILED, str(exc))
             return
         self._unload_asked = False
         self._last_job_at = time.monotonic()  # idle time counts from now, not from the request
-        self._move(BackendState.READY, f"loaded in {time.monotonic() - started:.1f} s")
+        self._life.move(BackendState.READY, f"loaded in {time.monotonic() - started:.1f} s")
 
     def _idle_left(self) -> float | None:
         if self._active:

@@ -1,47 +1,65 @@
-"""A worker's lifecycles as explicit state machines: a table of allowed moves, checked.
+"""A backend's lifecycle on a worker, and the gate its jobs wait at until it is ready.
 
-The router link, llama-server, an attached server, an image model, a split model's shard
-and the pull-mode claim loop each keep their state in a ``Lifecycle`` with their own table
-(``allowed``: state -> the states it may move to). A move the table does not allow raises
-``IllegalTransition``: a bug in the caller, never a condition to handle. Every move logs one
-line naming what moved (the worker, the model, the deployment) and why.
+llama-server (``llama_server.py``) and an image model (``image_service.py``) each move through
+``BackendState`` by their own table (``shoal.lifecycle``); ``BackendLifecycle`` adds what both
+do around a move (keep the reason, wake the jobs waiting, tell the worker) and the wait of a
+job: until READY, asking for a load when UNLOADED, raising when FAILED.
 """
 
 from __future__ import annotations
 
-import enum
+import asyncio
 import logging
-from collections.abc import Mapping
-from typing import Generic, TypeVar
+from collections.abc import Callable
 
-S = TypeVar("S", bound=enum.Enum)
+from shoal.lifecycle import Lifecycle, Transitions
+from shoal.protocol.messages import BackendState
 
-
-class IllegalTransition(RuntimeError):
-    """A lifecycle was told to make a move its table does not allow."""
+StateCallback = Callable[[BackendState, str], None]
 
 
-class Lifecycle(Generic[S]):
+class BackendLifecycle:
     def __init__(
-        self, name: str, allowed: Mapping[S, frozenset[S]], state: S, log: logging.Logger
+        self,
+        name: str,
+        allowed: Transitions[BackendState],
+        state: BackendState,
+        on_state: StateCallback,
+        log: logging.Logger,
     ) -> None:
-        """``name`` starts every log line (``llama-server qwen2.5-0.5b``); ``log`` is the
-        owning module's logger. ``allowed`` must list every state, terminal ones with ()."""
-        missing = [s for s in type(state) if s not in allowed]
-        if missing:
-            raise ValueError(f"{name}: the transition table leaves out {missing}")
-        self.name = name
-        self.allowed = allowed
-        self._state = state
-        self._log = log
+        """``on_state``: told every move, with its reason."""
+        self._life = Lifecycle(name, allowed, state, log)
+        self.on_state = on_state
+        self.detail = ""
+        """Why it is in its state (the reason of its last move)."""
+        self.changed = asyncio.Event()
+        """Set on every move; a waiter re-checks ``state`` (then waits on the new event)."""
+        self.wanted = asyncio.Event()
+        """Set when a job needs the backend while it is unloaded."""
 
     @property
-    def state(self) -> S:
-        return self._state
+    def state(self) -> BackendState:
+        return self._life.state
 
-    def move(self, new: S, why: str = "") -> None:
-        """Move to ``new``, or raise ``IllegalTransition`` if the table does not allow it."""
-        if new not in self.allowed[self._state]:
-            raise IllegalTransition(f"{self.name}: {self._state} -> {new} is not allowed")
-        self._log.info("%s: %s -> %s %s", self.name, self._state, new, why)
-        self._state = new
+    def move(self, state: BackendState, detail: str = "") -> None:
+        self._life.move(state, detail)
+        self.detail = detail
+        self.changed.set()
+        self.changed = asyncio.Event()
+        self.on_state(state, detail)
+
+    async def until_ready(self, failed: Callable[[str], Exception]) -> None:
+        """Wait for READY, asking for a load while it is UNLOADED; raise ``failed(detail)``
+        if it fails for good meanwhile."""
+        while self.state is not BackendState.READY:
+            if self.state is BackendState.FAILED:
+                raise failed(self.detail)
+            if self.state is BackendState.UNLOADED:
+                self.wanted.set()
+            await self.changed.wait()
+
+    async def load_when_wanted(self, why: str) -> None:
+        """Wait until a job wants the backend (``wanted``), then move to LOADING."""
+        await self.wanted.wait()
+        self.wanted.clear()
+        self.move(BackendState.LOADING, why)

@@ -6,7 +6,8 @@ WAITING (at start) ──▶ CONNECTING ──handshake ok──▶ REGISTERED �
 refused for a bad key or protocol version ──▶ raises ``RouterRefused`` (retrying cannot help)
 router's TLS certificate fails verification ──▶ raises ``UntrustedRouter`` (nor can it here)
 
-``ALLOWED`` is that diagram as a table; any other move raises ``IllegalTransition``.
+``ALLOWED`` is that diagram as a table (``shoal.lifecycle``); any other move raises
+``IllegalTransition``.
 
 Given several routers (on one Redis, ``Routers``), the link dials the next one whenever a
 connection ends or fails, without delay until each was tried, then with the backoff.
@@ -35,6 +36,7 @@ import websockets
 from pydantic import ValidationError
 from websockets.asyncio.client import ClientConnection
 
+from shoal.lifecycle import Lifecycle, Transitions
 from shoal.protocol.messages import (
     BackendState,
     CacheChanged,
@@ -59,7 +61,6 @@ from shoal.protocol.shards import ShardStart, ShardState, ShardStatus, ShardStop
 from shoal.worker.backoff import Backoff
 from shoal.worker.dialing import advice, failure_reason, refusal_text
 from shoal.worker.hardware import MemoryProbe
-from shoal.worker.lifecycle import Lifecycle
 from shoal.worker.outbox import Outbox
 from shoal.worker.runner import JobRunner
 
@@ -83,11 +84,13 @@ class LinkState(enum.StrEnum):
     WAITING = "waiting"
 
 
-ALLOWED: dict[LinkState, frozenset[LinkState]] = {
-    LinkState.WAITING: frozenset({LinkState.CONNECTING}),
-    LinkState.CONNECTING: frozenset({LinkState.REGISTERED, LinkState.WAITING}),
-    LinkState.REGISTERED: frozenset({LinkState.WAITING}),
-}
+ALLOWED = Transitions(
+    {
+        LinkState.WAITING: frozenset({LinkState.CONNECTING}),
+        LinkState.CONNECTING: frozenset({LinkState.REGISTERED, LinkState.WAITING}),
+        LinkState.REGISTERED: frozenset({LinkState.WAITING}),
+    }
+)
 
 
 class Refusal(Exception):

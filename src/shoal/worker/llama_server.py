@@ -7,7 +7,8 @@
        └──exit while loading───────────────────────────┘
     too many exits within CRASH_WINDOW_S ──▶ FAILED (stays; the reason names the last log lines)
 
-``ALLOWED`` is that diagram as a table; any other move raises ``IllegalTransition``.
+``ALLOWED`` is that diagram as a table (``shoal.lifecycle``); any other move raises
+``IllegalTransition``.
 
 A hang is found two ways: while no job holds it, three failed ``/health`` checks in a row
 (``HEALTH_PERIOD_S`` apart); while jobs hold it, no answer to ``/health`` for
@@ -32,16 +33,17 @@ import socket
 import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
+from shoal.lifecycle import Transitions
 from shoal.protocol.messages import BackendState
 from shoal.worker import stall
 from shoal.worker.backoff import Backoff
-from shoal.worker.lifecycle import Lifecycle
+from shoal.worker.lifecycle import BackendLifecycle, StateCallback
 
 log = logging.getLogger(__name__)
 
@@ -54,19 +56,19 @@ CRASH_WINDOW_S = 60.0
 LOG_TAIL_LINES = 40
 READY_MARKERS = (b"listening on http",)
 
-StateCallback = Callable[[BackendState, str], None]
-
-ALLOWED: dict[BackendState, frozenset[BackendState]] = {
-    BackendState.LOADING: frozenset(
-        {BackendState.READY, BackendState.RESTARTING, BackendState.FAILED}
-    ),
-    BackendState.READY: frozenset(
-        {BackendState.UNLOADED, BackendState.RESTARTING, BackendState.FAILED}
-    ),
-    BackendState.RESTARTING: frozenset({BackendState.LOADING}),
-    BackendState.UNLOADED: frozenset({BackendState.LOADING}),
-    BackendState.FAILED: frozenset(),
-}
+ALLOWED = Transitions(
+    {
+        BackendState.LOADING: frozenset(
+            {BackendState.READY, BackendState.RESTARTING, BackendState.FAILED}
+        ),
+        BackendState.READY: frozenset(
+            {BackendState.UNLOADED, BackendState.RESTARTING, BackendState.FAILED}
+        ),
+        BackendState.RESTARTING: frozenset({BackendState.LOADING}),
+        BackendState.UNLOADED: frozenset({BackendState.LOADING}),
+        BackendState.FAILED: frozenset(),
+    }
+)
 """llama-server's lifecycle (the wire's ``BackendState`` names its states)."""
 
 
@@ -167,7 +169,6 @@ class NotServing(Exception):
 class LlamaServer:
     config: LlamaServerConfig
     on_state: StateCallback
-    detail: str = ""
     url: str = ""
     pid: int | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
@@ -179,26 +180,19 @@ class LlamaServer:
     _busy: asyncio.Event = field(default_factory=asyncio.Event)
     """Set while jobs hold llama-server (the stall watch probes then)."""
     _last_job_at: float = field(default_factory=time.monotonic)
-    _changed: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set on every state change; waiters re-check ``state`` (then clear it themselves)."""
-    _wanted: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set when a job needs llama-server while it is unloaded."""
-    _life: Lifecycle[BackendState] = field(init=False)
+    _life: BackendLifecycle = field(init=False)
 
     def __post_init__(self) -> None:
         name = f"llama-server {self.config.alias}"
-        self._life = Lifecycle(name, ALLOWED, BackendState.LOADING, log)
+        self._life = BackendLifecycle(name, ALLOWED, BackendState.LOADING, self.on_state, log)
 
     @property
     def state(self) -> BackendState:
         return self._life.state
 
-    def _move(self, state: BackendState, detail: str) -> None:
-        self._life.move(state, detail)
-        self.detail = detail
-        self._changed.set()
-        self._changed = asyncio.Event()
-        self.on_state(state, detail)
+    @property
+    def detail(self) -> str:
+        return self._life.detail
 
     @contextlib.asynccontextmanager
     async def use(self) -> AsyncIterator[None]:
@@ -212,12 +206,7 @@ class LlamaServer:
             self._busy.set()
         self._active_jobs += 1
         try:
-            while self.state is not BackendState.READY:
-                if self.state is BackendState.FAILED:
-                    raise NotServing(self.detail)
-                if self.state is BackendState.UNLOADED:
-                    self._wanted.set()
-                await self._changed.wait()
+            await self._life.until_ready(NotServing)
             yield
         finally:
             self._active_jobs -= 1
@@ -242,9 +231,7 @@ class LlamaServer:
             started = time.monotonic()
             exit_ = await self._run_once()
             if isinstance(exit_, Unloaded):
-                await self._wanted.wait()
-                self._wanted.clear()
-                self._move(BackendState.LOADING, "a job arrived; loading again")
+                await self._life.load_when_wanted("a job arrived; loading again")
                 continue
             if time.monotonic() - started > CRASH_WINDOW_S:
                 attempt = 0
@@ -253,11 +240,11 @@ class LlamaServer:
             while self._crashes and now - self._crashes[0] > CRASH_WINDOW_S:
                 self._crashes.popleft()
             if len(self._crashes) > self.config.max_restarts:
-                self._move(BackendState.FAILED, self._failure_reason(exit_))
+                self._life.move(BackendState.FAILED, self._failure_reason(exit_))
                 await asyncio.Event().wait()  # stay failed until the worker stops
             delay = self.backoff.delay(attempt)
             attempt += 1
-            self._move(BackendState.RESTARTING, f"{exit_.why}; restarting in {delay:.1f} s")
+            self._life.move(BackendState.RESTARTING, f"{exit_.why}; restarting in {delay:.1f} s")
             await asyncio.sleep(delay)
 
     def _failure_reason(self, exit_: Exited) -> str:
@@ -273,7 +260,7 @@ class LlamaServer:
         self.url = f"http://{self.config.host}:{port}"
         argv = command(self.config, port)
         if self.state is not BackendState.LOADING:
-            self._move(BackendState.LOADING, "starting llama-server")
+            self._life.move(BackendState.LOADING, "starting llama-server")
         log.info("starting %s", " ".join(argv))
         with self.config.log_file.open("ab") as logf:
             proc = await asyncio.create_subprocess_exec(
@@ -315,7 +302,7 @@ class LlamaServer:
                 raise Exited(proc.returncode, f"exited with code {proc.returncode} while loading")
             async with aiohttp.ClientSession() as session:
                 await self._wait_healthy(session, proc)
-                self._move(BackendState.READY, f"serving on {self.url} (pid {proc.pid})")
+                self._life.move(BackendState.READY, f"serving on {self.url} (pid {proc.pid})")
                 if self.config.stall_timeout_s > 0:
                     tg.create_task(self._watch_jobs(proc))
                 await self._watch(session, waiter)
@@ -354,7 +341,7 @@ class LlamaServer:
             if idle_left is not None and idle_left <= 0:
                 idle = self.config.idle_unload_s
                 # Before stopping it, so no new job is let through to a dying process.
-                self._move(BackendState.UNLOADED, f"no jobs for {idle:g} s; memory freed")
+                self._life.move(BackendState.UNLOADED, f"no jobs for {idle:g} s; memory freed")
                 raise Unloaded(None, "idle")
             wait = next_check - time.monotonic()
             if idle_left is not None:

@@ -48,6 +48,7 @@ from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 
+from shoal.lifecycle import Lifecycle, Transitions
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import (
     BackendState,
@@ -68,7 +69,6 @@ from shoal.queue.redis_streams import LEASE_MS, RedisJobQueue
 from shoal.queue.redis_support import REDIS_DOWN, RETRY_MAX_DELAY_S, raise_if_cancelled
 from shoal.worker.backoff import Backoff
 from shoal.worker.hardware import MemoryProbe
-from shoal.worker.lifecycle import Lifecycle
 from shoal.worker.redis_presence import Presence, Summary, summary
 from shoal.worker.runner import JobRunner
 from shoal.worker.sink import JobOutcome
@@ -96,13 +96,15 @@ class PullState(enum.StrEnum):
     REDIS_DOWN = "redis-down"
 
 
-ALLOWED: dict[PullState, frozenset[PullState]] = {
-    PullState.STARTING: frozenset({PullState.CLAIMING, PullState.FULL, PullState.PAUSED}),
-    PullState.CLAIMING: frozenset({PullState.FULL, PullState.PAUSED, PullState.REDIS_DOWN}),
-    PullState.FULL: frozenset({PullState.CLAIMING, PullState.PAUSED}),
-    PullState.PAUSED: frozenset({PullState.CLAIMING, PullState.FULL}),
-    PullState.REDIS_DOWN: frozenset({PullState.CLAIMING, PullState.FULL, PullState.PAUSED}),
-}
+ALLOWED = Transitions(
+    {
+        PullState.STARTING: frozenset({PullState.CLAIMING, PullState.FULL, PullState.PAUSED}),
+        PullState.CLAIMING: frozenset({PullState.FULL, PullState.PAUSED, PullState.REDIS_DOWN}),
+        PullState.FULL: frozenset({PullState.CLAIMING, PullState.PAUSED}),
+        PullState.PAUSED: frozenset({PullState.CLAIMING, PullState.FULL}),
+        PullState.REDIS_DOWN: frozenset({PullState.CLAIMING, PullState.FULL, PullState.PAUSED}),
+    }
+)
 """The claim loop's lifecycle; staying in a state is no move (the loop re-plans each turn)."""
 
 

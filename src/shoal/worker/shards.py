@@ -23,7 +23,8 @@ Every state change goes to the router as a ``ShardStatus``. A shard's lifecycle:
        └──failed to start──▶ FAILED ◀──process died──┘
     STARTING, READY or FAILED ──stopped (ShardStop, or the worker stops)──▶ STOPPED
 
-``ALLOWED`` is that diagram as a table; any other move raises ``IllegalTransition``.
+``ALLOWED`` is that diagram as a table (``shoal.lifecycle``); any other move raises
+``IllegalTransition``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from pathlib import Path
 
 import aiohttp
 
+from shoal.lifecycle import Lifecycle, Transitions
 from shoal.llama_cpp.devices import ComputeDevice
 from shoal.llama_cpp.load_log import placement
 from shoal.llama_cpp.rpc_cache import RpcCache
@@ -55,7 +57,6 @@ from shoal.protocol.shards import (
     TunnelDial,
 )
 from shoal.worker.backend import Backend, BackendTarget
-from shoal.worker.lifecycle import Lifecycle
 from shoal.worker.llama_server import LlamaServer, LlamaServerConfig, free_port, stop_process
 from shoal.worker.rpc_seed import SeedOrder, seed
 from shoal.worker.runner import JobRunner
@@ -70,12 +71,14 @@ CPU_DEVICE = "CPU"
 RPC_DEVICE = "RPC"
 """llama-server's names for the stages' devices: ``RPC0``, ``RPC1``..."""
 
-ALLOWED: dict[ShardState, frozenset[ShardState]] = {
-    ShardState.STARTING: frozenset({ShardState.READY, ShardState.FAILED, ShardState.STOPPED}),
-    ShardState.READY: frozenset({ShardState.FAILED, ShardState.STOPPED}),
-    ShardState.FAILED: frozenset({ShardState.STOPPED}),
-    ShardState.STOPPED: frozenset(),
-}
+ALLOWED = Transitions(
+    {
+        ShardState.STARTING: frozenset({ShardState.READY, ShardState.FAILED, ShardState.STOPPED}),
+        ShardState.READY: frozenset({ShardState.FAILED, ShardState.STOPPED}),
+        ShardState.FAILED: frozenset({ShardState.STOPPED}),
+        ShardState.STOPPED: frozenset(),
+    }
+)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@
        └──DELETE (either live state)─────▶ CANCELLED
 
 A record never changes in place: ``moved`` returns the next one, or raises
-``IllegalTransition`` when the move is not in ``ALLOWED``. Every store backend applies the
-same table (the Redis one inside a script, from ``allowed_from``).
+``IllegalTransition`` (``shoal.lifecycle``) when the move is not in ``ALLOWED``. Every store
+backend applies the same table (the Redis one inside a script, from ``ALLOWED.sources``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import secrets
 from dataclasses import dataclass, replace
 from typing import Any, NewType
 
+from shoal.lifecycle import Transitions
 from shoal.protocol.messages import Endpoint
-from shoal.router.dispatch.job import IllegalTransition
 
 log = logging.getLogger(__name__)
 
@@ -73,21 +73,18 @@ class JobStatus(enum.StrEnum):
 
     @property
     def finished(self) -> bool:
-        return not ALLOWED[self]
+        return ALLOWED.terminal(self)
 
 
-ALLOWED: dict[JobStatus, frozenset[JobStatus]] = {
-    JobStatus.QUEUED: frozenset({JobStatus.RUNNING, JobStatus.FAILED, JobStatus.CANCELLED}),
-    JobStatus.RUNNING: frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED}),
-    JobStatus.SUCCEEDED: frozenset(),
-    JobStatus.FAILED: frozenset(),
-    JobStatus.CANCELLED: frozenset(),
-}
-
-
-def allowed_from(new: JobStatus) -> tuple[JobStatus, ...]:
-    """The statuses a record may move to ``new`` from (the table read backwards)."""
-    return tuple(old for old, targets in ALLOWED.items() if new in targets)
+ALLOWED = Transitions(
+    {
+        JobStatus.QUEUED: {JobStatus.RUNNING, JobStatus.FAILED, JobStatus.CANCELLED},
+        JobStatus.RUNNING: {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED},
+        JobStatus.SUCCEEDED: set(),
+        JobStatus.FAILED: set(),
+        JobStatus.CANCELLED: set(),
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,10 +110,8 @@ class JobRecord:
     """While it waits for a worker: how many jobs will go before it (None if not known)."""
 
     def moved(self, new: JobStatus, **changes: Any) -> JobRecord:
-        if new not in ALLOWED[self.status]:
-            raise IllegalTransition(f"async job {self.id}: {self.status} -> {new} is not allowed")
-        log.info("async job %s model=%s: %s -> %s", self.id, self.model, self.status, new)
-        return replace(self, status=new, **changes)
+        who = f"async job {self.id} model={self.model}"
+        return replace(self, status=ALLOWED.move(who, self.status, new, "", log), **changes)
 
     def ended(
         self,

@@ -26,15 +26,8 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from shoal.queue.redis_keys import async_job_cancel_channel, async_job_key
-from shoal.router.async_jobs.records import (
-    AsyncJobId,
-    JobRecord,
-    JobStatus,
-    JobType,
-    allowed_from,
-)
+from shoal.router.async_jobs.records import ALLOWED, AsyncJobId, JobRecord, JobStatus, JobType
 from shoal.router.async_jobs.store import DEFAULT_JOB_TTL_S, Cancellation, JobStoreUnavailable
-from shoal.router.dispatch.job import IllegalTransition
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +203,7 @@ class RedisJobStore:
         new = JobStatus.SUCCEEDED if error is None else JobStatus.FAILED
         moved, record = await self._move(job_id, new, self.ttl_s, self._ending(result, error))
         if not moved and record is not None and not record.status.finished:
-            raise IllegalTransition(f"async job {job_id}: {record.status} -> {new} is not allowed")
+            ALLOWED.check(f"async job {job_id}", record.status, new)  # raises: not allowed
         return record if moved else None
 
     async def cancel(self, job_id: AsyncJobId) -> Cancellation:
@@ -275,7 +268,7 @@ class RedisJobStore:
     async def _move(
         self, job_id: AsyncJobId, new: JobStatus, ttl_s: float, fields: list[str]
     ) -> tuple[bool, JobRecord | None]:
-        allowed = [_json(s.value) for s in allowed_from(new)]
+        allowed = [_json(s.value) for s in ALLOWED.sources(new)]
         args: list[str | int] = [_json(new.value), _ms(ttl_s), len(allowed), *allowed, *fields]
         reply = await self._call(self._transition(keys=[job_key(self.prefix, job_id)], args=args))
         if not reply:

@@ -9,8 +9,10 @@ restart. The lifecycle::
        └──────── redeploy ◀── DEGRADED ◀──── a shard failed or its worker left
     any ──undeploy──▶ (gone)
 
-PENDING waits for workers (with the reason, e.g. the memory shortfall); DEGRADED answers
-requests with 503 + ``Retry-After`` until the redeploy is SERVING again.
+``ALLOWED`` is that diagram as a table (``shoal.lifecycle``); any other move raises
+``IllegalTransition``. PENDING waits for workers (with the reason, e.g. the memory
+shortfall); DEGRADED answers requests with 503 + ``Retry-After`` until the redeploy is SERVING
+again.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+from shoal.lifecycle import Transitions
 from shoal.protocol.messages import DevicePlacement, ModelFile, SeedReport, ShardRole, ShardState
 from shoal.router.deployments.placement import Plan, Strategy
 
@@ -38,24 +41,23 @@ class DeploymentState(enum.StrEnum):
     DEGRADED = "degraded"
 
 
-_ALLOWED: dict[DeploymentState, set[DeploymentState]] = {
-    DeploymentState.PENDING: {DeploymentState.STARTING, DeploymentState.PENDING},
-    DeploymentState.STARTING: {
-        DeploymentState.SERVING,
-        DeploymentState.DEGRADED,
-        DeploymentState.PENDING,
-    },
-    DeploymentState.SERVING: {DeploymentState.DEGRADED, DeploymentState.PENDING},
-    DeploymentState.DEGRADED: {
-        DeploymentState.STARTING,
-        DeploymentState.PENDING,
-        DeploymentState.DEGRADED,
-    },
-}
-
-
-class IllegalTransition(RuntimeError):
-    pass
+ALLOWED = Transitions(
+    {
+        DeploymentState.PENDING: {DeploymentState.STARTING, DeploymentState.PENDING},
+        DeploymentState.STARTING: {
+            DeploymentState.SERVING,
+            DeploymentState.DEGRADED,
+            DeploymentState.PENDING,
+        },
+        DeploymentState.SERVING: {DeploymentState.DEGRADED, DeploymentState.PENDING},
+        DeploymentState.DEGRADED: {
+            DeploymentState.STARTING,
+            DeploymentState.PENDING,
+            DeploymentState.DEGRADED,
+        },
+    }
+)
+"""A move to the same state is a new reason to be in it (the reason is logged, if new)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,10 +152,11 @@ class Deployment:
         return self.shards[1:]
 
     def move(self, new: DeploymentState, detail: str) -> None:
-        if new not in _ALLOWED[self.state]:
-            raise IllegalTransition(f"deployment {self.name}: {self.state} -> {new}")
-        if new is not self.state or detail != self.detail:
-            log.info("deployment %s: %s -> %s (%s)", self.name, self.state, new, detail)
+        who = f"deployment {self.name}"
+        if new is self.state and detail == self.detail:
+            ALLOWED.check(who, self.state, new)  # no news: checked, not logged
+        else:
+            ALLOWED.move(who, self.state, new, f"({detail})", log)
         self.state, self.detail, self.changed_at = new, detail, time.monotonic()
         if new is DeploymentState.SERVING:
             self.attempts = 0

@@ -6,6 +6,9 @@
        └──resume────────────(worker lost mid-answer)┘ │
     any live state ────────────────────────────────────┴──▶ CANCELLED
 
+``ALLOWED`` is that diagram as a table (``shoal.lifecycle``); any other move raises
+``IllegalTransition``.
+
 The HTTP handler reads ``Job.events``: the outcome events of ``shoal.queue.events`` (the one
 vocabulary for a job's outcome, in this router and on the Redis queue), which ``output.py``
 delivers for either dispatcher.
@@ -20,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal.lifecycle import Transitions
 from shoal.protocol.ids import JobId, ModelName, WorkerId, new_job_id
 from shoal.protocol.messages import Continuation, Endpoint
 from shoal.queue.events import ClientEvent
@@ -38,33 +42,31 @@ class JobState(enum.StrEnum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        return ALLOWED.terminal(self)
 
 
-_FINISHED = {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
-
-_ALLOWED: dict[JobState, frozenset[JobState]] = {
-    JobState.QUEUED: frozenset({JobState.ASSIGNED, JobState.FAILED, JobState.CANCELLED}),
-    JobState.ASSIGNED: frozenset(
-        {
+ALLOWED = Transitions(
+    {
+        JobState.QUEUED: {JobState.ASSIGNED, JobState.FAILED, JobState.CANCELLED},
+        JobState.ASSIGNED: {
             JobState.STREAMING,
             JobState.QUEUED,
             JobState.SUCCEEDED,
             JobState.FAILED,
             JobState.CANCELLED,
-        }
-    ),
-    JobState.STREAMING: frozenset(
-        {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED}
-    ),
-    JobState.SUCCEEDED: frozenset(),
-    JobState.FAILED: frozenset(),
-    JobState.CANCELLED: frozenset(),
-}
-
-
-class IllegalTransition(RuntimeError):
-    pass
+        },
+        JobState.STREAMING: {
+            JobState.SUCCEEDED,
+            JobState.FAILED,
+            JobState.CANCELLED,
+            JobState.QUEUED,
+        },
+        JobState.SUCCEEDED: set(),
+        JobState.FAILED: set(),
+        JobState.CANCELLED: set(),
+    },
+    level=logging.DEBUG,  # several moves per request
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,23 +138,16 @@ class Job:
         )
 
     def transition(self, new: JobState, why: str = "") -> None:
-        if new not in _ALLOWED[self.state]:
-            raise IllegalTransition(f"job {self.id}: {self.state} -> {new} is not allowed")
-        log.debug(
-            "job %s model=%s worker=%s: %s -> %s %s",
-            self.id,
-            self.model,
-            self.worker_id,
-            self.state,
-            new,
-            why,
-        )
-        self.state = new
+        self.state = ALLOWED.move(self, self.state, new, why, log)
         if new is JobState.ASSIGNED:
             self.assigned.set()
         elif new is JobState.QUEUED:
             self.assigned.clear()
             self.queued_at = time.monotonic()
+
+    def __str__(self) -> str:
+        """What its log lines name it by."""
+        return f"job {self.id} model={self.model} worker={self.worker_id}"
 
     def deliver(self, event: ClientEvent) -> None:
         self.events.put_nowait(event)

@@ -73,44 +73,14 @@ INTER_TOKEN_BUCKETS = (
 here as 0) to 2 s (0.5 tok/s, a big model on CPU). Finest at 10-100 ms, typical decode speeds.
 """
 
-QUEUE_WAIT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-    300.0,
-)
+_TO_FIVE_MINUTES = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+"""50 ms to 5 min, the scale of every wait a client sees (queue and request below)."""
+
+QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, *_TO_FIVE_MINUTES)
 """Wait for a worker slot: ~0 when a slot is free (the common case), up to the router's wait
 limit (``max_wait``, 60 s by default) and beyond for raised limits."""
 
-REQUEST_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-    300.0,
-    600.0,
-)
+REQUEST_BUCKETS = (0.005, 0.01, 0.025, *_TO_FIVE_MINUTES, 600.0)
 """Whole request, first byte in to last byte out: 5 ms (a model list) to 10 min (a long
 generation on CPU)."""
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from shoal.router.async_jobs.records import AsyncJobId, JobRecord, JobStatus
+from shoal.router.async_jobs.records import ALLOWED, AsyncJobId, JobRecord, JobStatus
 from shoal.router.async_jobs.store import DEFAULT_JOB_TTL_S, Cancellation
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class MemoryJobStore:
     ) -> JobRecord | None:
         self.sweep()
         record = self._records.get(job_id)
-        if record is None or record.status.finished:
+        if record is None or ALLOWED.terminal(record.status):
             return None
         now = self.clock()
         return self._ended(record.ended(now, self.ttl_s, result=result, error=error), now)
@@ -81,7 +81,7 @@ class MemoryJobStore:
     async def cancel(self, job_id: AsyncJobId) -> Cancellation:
         self.sweep()
         record = self._records.get(job_id)
-        if record is None or record.status.finished:
+        if record is None or ALLOWED.terminal(record.status):
             return Cancellation(record, cancelled=False)
         now = self.clock()
         ended = self._ended(record.ended(now, self.ttl_s, cancelled=True), now)

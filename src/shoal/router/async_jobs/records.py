@@ -71,10 +71,6 @@ class JobStatus(enum.StrEnum):
     FAILED = "failed"
     CANCELLED = "cancelled"
 
-    @property
-    def finished(self) -> bool:
-        return ALLOWED.terminal(self)
-
 
 ALLOWED = Transitions(
     {
@@ -85,6 +81,7 @@ ALLOWED = Transitions(
         JobStatus.CANCELLED: set(),
     }
 )
+"""A record has ended in a status it cannot leave (``ALLOWED.terminal``)."""
 
 
 @dataclass(frozen=True, slots=True)

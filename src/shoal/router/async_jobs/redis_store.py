@@ -202,7 +202,7 @@ class RedisJobStore:
             raise ValueError("a finished job has a result or an error, not both or neither")
         new = JobStatus.SUCCEEDED if error is None else JobStatus.FAILED
         moved, record = await self._move(job_id, new, self.ttl_s, self._ending(result, error))
-        if not moved and record is not None and not record.status.finished:
+        if not moved and record is not None and not ALLOWED.terminal(record.status):
             ALLOWED.check(f"async job {job_id}", record.status, new)  # raises: not allowed
         return record if moved else None
 

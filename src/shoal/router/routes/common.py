@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import orjson
 from starlette.responses import Response
 
+from shoal.protocol.ids import ModelName
+from shoal.protocol.messages import Endpoint
+from shoal.router.accounting import Ticket
 from shoal.router.auth import Principal
 from shoal.router.dispatch.fair_queue import Tenant
+from shoal.router.dispatch.job import Job, Submission
+from shoal.router.errors import RouterError
+
+if TYPE_CHECKING:
+    from shoal.router.context import RouterContext
 
 
 def json_response(payload: object, status: int = 200) -> Response:
@@ -19,3 +29,26 @@ def tenant(principal: Principal) -> Tenant:
     an open router."""
     q = principal.queueing
     return Tenant(principal.key_id or principal.name, q.weight, q.priority, q.max_queued)
+
+
+async def admit_and_submit(
+    ctx: RouterContext,
+    principal: Principal,
+    model: str,
+    endpoint: Endpoint,
+    stream: bool,
+    body: dict[str, Any],
+    *,
+    max_tokens: int = 0,
+) -> tuple[Job, Ticket]:
+    """Admit a checked request against its key's limits (``max_tokens`` reserved), then queue
+    its job; what the admission took is given back if the queue refuses the job."""
+    ticket = await ctx.accounting.admit(principal, stream=stream, max_tokens=max_tokens)
+    ask = Submission(
+        ModelName(model), endpoint, stream, body, tenant(principal), key_id=principal.key_id
+    )
+    try:
+        return ctx.dispatcher.submit(ask), ticket
+    except RouterError:
+        await ctx.accounting.release(ticket)
+        raise

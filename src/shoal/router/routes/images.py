@@ -18,11 +18,9 @@ from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import Endpoint
 from shoal.queue.events import Failed, Requeued, Result
 from shoal.router.context import RouterContext, context
-from shoal.router.dispatch.job import Submission
 from shoal.router.errors import BadRequest, RouterError, UpstreamError
 from shoal.router.image_requests import (
     CheckedImageRequest,
@@ -32,7 +30,7 @@ from shoal.router.image_requests import (
 )
 from shoal.router.relay import JobResponse
 from shoal.router.requests import json_body, read_body
-from shoal.router.routes.common import json_response, tenant
+from shoal.router.routes.common import admit_and_submit, json_response
 
 log = logging.getLogger(__name__)
 
@@ -61,21 +59,9 @@ async def submit_image(
     """Check the key and the request, queue the job, and return the response that answers it."""
     principal = await ctx.keys.client(headers)
     checked = await _checked(ctx, endpoint, fields)
-    ticket = await ctx.accounting.admit(principal, stream=checked.stream, max_tokens=0)
-    try:
-        job = ctx.dispatcher.submit(
-            Submission(
-                ModelName(checked.model),
-                endpoint,
-                checked.stream,
-                checked.body,
-                tenant(principal),
-                key_id=principal.key_id,
-            )
-        )
-    except RouterError:
-        await ctx.accounting.release(ticket)
-        raise
+    job, ticket = await admit_and_submit(
+        ctx, principal, checked.model, endpoint, checked.stream, checked.body
+    )
     return JobResponse(
         job, ctx.dispatcher, ctx.accounting, ticket, timeout=ctx.settings.job_timeout
     )
@@ -109,19 +95,10 @@ async def run_a1111(request: Request, endpoint: Endpoint) -> Response:
     fields.pop("stream", None)
     principal = await ctx.keys.client(request.headers)
     checked = await _checked(ctx, endpoint, fields)
-    ticket = await ctx.accounting.admit(principal, stream=False, max_tokens=0)
-    job = None
+    job, ticket = await admit_and_submit(
+        ctx, principal, checked.model, endpoint, False, checked.body
+    )
     try:
-        job = ctx.dispatcher.submit(
-            Submission(
-                ModelName(checked.model),
-                endpoint,
-                False,
-                checked.body,
-                tenant(principal),
-                key_id=principal.key_id,
-            )
-        )
         await ctx.dispatcher.wait_assigned(job)
         while True:
             event = await job.events.get()
@@ -134,11 +111,8 @@ async def run_a1111(request: Request, endpoint: Endpoint) -> Response:
             else:
                 raise RouterError("The worker streamed an answer to a non-streamed image job.")
     finally:
-        if job is not None:
-            ctx.dispatcher.cancel(job, "request ended")
-            await ctx.accounting.finish(ticket, job, None)
-        else:
-            await ctx.accounting.release(ticket)
+        ctx.dispatcher.cancel(job, "request ended")
+        await ctx.accounting.finish(ticket, job, None)
 
 
 _IMAGE_REQUEST: dict[str, Any] = {

@@ -21,10 +21,9 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import Endpoint
 from shoal.router.context import RouterContext, context
-from shoal.router.dispatch.job import JobState, Submission
+from shoal.router.dispatch.job import JobState
 from shoal.router.errors import BadRequest, RouterError, error_reply
 from shoal.router.relay import JobResponse
 from shoal.router.requests import (
@@ -36,7 +35,7 @@ from shoal.router.requests import (
     read_body,
 )
 from shoal.router.result_cache import CacheFill, cache_key, cache_policy, replay
-from shoal.router.routes.common import tenant
+from shoal.router.routes.common import admit_and_submit
 
 log = logging.getLogger(__name__)
 
@@ -55,24 +54,15 @@ async def submit(ctx: RouterContext, endpoint: Endpoint, headers: Headers, raw: 
             return replay(hit, stream=checked.stream)
         if key is not None and policy.write:
             fill = CacheFill(ctx.cache, key, stream=checked.stream)
-    ticket = await ctx.accounting.admit(
-        principal, stream=checked.stream, max_tokens=_reserve(checked.body)
+    job, ticket = await admit_and_submit(
+        ctx,
+        principal,
+        checked.model,
+        endpoint,
+        checked.stream,
+        checked.body,
+        max_tokens=_reserve(checked.body),
     )
-    try:
-        model = ModelName(checked.model)
-        job = ctx.dispatcher.submit(
-            Submission(
-                model,
-                endpoint,
-                checked.stream,
-                checked.body,
-                tenant(principal),
-                key_id=principal.key_id,
-            )
-        )
-    except RouterError:
-        await ctx.accounting.release(ticket)
-        raise
     if job.state is JobState.ASSIGNED:
         # Its worker's start frame is queued for the socket's writer: let it leave now, and
         # set the response up while the worker starts the job, not before.

@@ -372,35 +372,27 @@ def search_hub(query: str, config: HubConfig, limit: int = 20) -> list[HubModel]
 
 def repo_source(repo: str, config: HubConfig, revision: str = "main") -> HubSource:
     """The GGUF quantizations in any Hub repo (sizes and LFS sha256 from its file tree)."""
-    if config.offline:
-        raise HubError(
-            f"listing the files of {repo} needs the Hugging Face Hub, and "
-            f"{config.offline_reason}. Use a model from the catalog or the path of a .gguf file."
-        )
-    hub_cache.check_repo_id(repo)
-    _check_reachable(config, repo, revision)
-    api = HfApi(endpoint=config.url, token=config.auth)
-    try:
-        tree = list(api.list_repo_tree(repo, revision=revision, recursive=True))
-    except HUB_FAILURES as exc:
-        raise hub_error(exc, config, repo, None, revision) from exc
-    files = [
-        RepoFile(entry.path, entry.size, entry.lfs.sha256 if entry.lfs is not None else None)
-        for entry in tree
-        if isinstance(entry, HfRepoFile)
-    ]
+    offline = "Use a model from the catalog or the path of a .gguf file."
+    files = list_repo_files(repo, config, revision, offline_hint=offline)
     quants = group_quants(files)
     if not quants:
         raise HubError(f"{repo} (revision {revision}) has no .gguf files; pick a GGUF repo.")
     return HubSource(repo=repo, quants=quants, revision=revision)
 
 
-def list_repo_files(repo: str, config: HubConfig, revision: str = "main") -> list[RepoFile]:
-    """Every file of a Hub repo (path, size, LFS sha256), from its tree listing."""
+def list_repo_files(
+    repo: str,
+    config: HubConfig,
+    revision: str = "main",
+    *,
+    offline_hint: str = "Use a local path, or pull the model while online.",
+) -> list[RepoFile]:
+    """Every file of a Hub repo (path, size, LFS sha256), from its tree listing; offline, a
+    ``HubError`` that ends with ``offline_hint`` (what to do instead)."""
     if config.offline:
         raise HubError(
             f"listing the files of {repo} needs the Hugging Face Hub, and "
-            f"{config.offline_reason}. Use a local path, or pull the model while online."
+            f"{config.offline_reason}. {offline_hint}"
         )
     hub_cache.check_repo_id(repo)
     _check_reachable(config, repo, revision)

@@ -190,10 +190,6 @@ class LlamaServer:
     def state(self) -> BackendState:
         return self._life.state
 
-    @property
-    def detail(self) -> str:
-        return self._life.detail
-
     @contextlib.asynccontextmanager
     async def use(self) -> AsyncIterator[None]:
         """Hold llama-server for one job: load it first if it was unloaded, and wait if it is

@@ -350,26 +350,22 @@ class Backend:
         """The text of ``tokens`` as llama-server spells them: what a non-streamed answer had
         produced before its worker was lost (exactly: ids are sent only where the text so
         far is exactly theirs)."""
-        url = self.base_url() + "/detokenize"
-        async with await self._post(url, orjson.dumps({"tokens": list(tokens)})) as resp:
-            raw = await resp.read()
-            if resp.status != 200:
-                raise NotResumable(error_from_body(resp.status, raw).message)
-        content = orjson.loads(raw).get("content")
-        if not isinstance(content, str):
-            raise NotResumable("/detokenize gave no text")
-        return content
+        return await self._ask_text("/detokenize", {"tokens": list(tokens)}, "content")
 
     async def _chat_prompt(self, body: dict[str, Any]) -> str:
-        url = self.base_url() + "/apply-template"
-        async with await self._post(url, orjson.dumps(template_request(body))) as resp:
+        return await self._ask_text("/apply-template", template_request(body), "prompt")
+
+    async def _ask_text(self, path: str, payload: dict[str, Any], field: str) -> str:
+        """The text ``field`` of llama-server's answer to ``payload`` at ``path``; raises
+        ``NotResumable`` when it refuses or answers without it."""
+        async with await self._post(self.base_url() + path, orjson.dumps(payload)) as resp:
             raw = await resp.read()
             if resp.status != 200:
                 raise NotResumable(error_from_body(resp.status, raw).message)
-        prompt = orjson.loads(raw).get("prompt")
-        if not isinstance(prompt, str):
-            raise NotResumable("/apply-template gave no prompt")
-        return prompt
+        text = orjson.loads(raw).get(field)
+        if not isinstance(text, str):
+            raise NotResumable(f"{path} gave no {field}")
+        return text
 
     async def _relay(
         self,

@@ -119,15 +119,19 @@ class Proc:
             self.popen.send_signal(sig)
 
     def stop(self, timeout: float = 15.0) -> int | None:
+        self.signal(signal.SIGTERM)
+        return self.reap(timeout)
+
+    def reap(self, timeout: float) -> int | None:
+        """Wait for a process already told to stop (one SIGTERM only: a second one would cut
+        its clean-up short); SIGKILL past ``timeout``."""
         if self.popen is None:
             return None
-        if self.alive():
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
         return self.popen.returncode
 
     def wait(self, timeout: float) -> int:
@@ -295,9 +299,14 @@ class Cluster:
             argv += ["--model", str(self.model_path), "--model-alias", MODEL]
         return self._proc("worker", [*argv, *args], clean_env())
 
-    def stop_all(self) -> None:
+    def stop_all(self, timeout: float = 15.0) -> None:
+        """SIGTERM to every process at once, then wait for each (SIGKILL past ``timeout``):
+        a test's teardown takes as long as its slowest process, not the sum of them all."""
         for proc in reversed(self.procs):
-            proc.stop()
+            proc.signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in reversed(self.procs):
+            proc.reap(max(0.0, deadline - time.monotonic()))
 
     def logs(self) -> str:
         return "\n".join(f"===== {p.log_path.name}\n{p.log()[-4000:]}" for p in self.procs)

@@ -12,25 +12,28 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
 from shoal.cli import logs
 from shoal.cli.errors import UserError, settings_for
-from shoal.keys import (
+from shoal.keys.errors import KeyStoreError
+from shoal.keys.records import (
+    MAX_WEIGHT,
+    RATE_HELP,
     KeyLimits,
     KeyRecord,
-    KeyStore,
-    KeyStoreError,
     Priority,
     Queueing,
     Scope,
-    open_store,
+    UsageRow,
+    parse_rate,
 )
-from shoal.keys.records import MAX_WEIGHT, RATE_HELP, UsageRow, parse_rate
-from shoal.keys.usage import hour_start, usage_since
 from shoal.settings import CommonSettings, add_settings_flags
+
+if TYPE_CHECKING:
+    from shoal.keys.store import KeyStore
 
 Handler = Callable[[argparse.Namespace], int]
 Parser = argparse.ArgumentParser
@@ -139,6 +142,8 @@ def _choose_action(args: argparse.Namespace) -> int:
 
 @contextmanager
 def _store(args: argparse.Namespace) -> Iterator[KeyStore]:
+    from shoal.keys.store import open_store  # SQLAlchemy & co.: only for the keys commands
+
     settings = settings_for(KeysSettings, args)
     logs.setup(settings.log_level)
     try:
@@ -328,6 +333,8 @@ def keys_revoke(args: argparse.Namespace) -> int:
 
 
 def parse_since(text: str) -> datetime:
+    from shoal.keys.usage import usage_since
+
     try:
         return usage_since(text)
     except ValueError:
@@ -335,6 +342,8 @@ def parse_since(text: str) -> datetime:
 
 
 def usage_show(args: argparse.Namespace) -> int:
+    from shoal.keys.usage import hour_start
+
     since = parse_since(args.since) if args.since else None
     with _store(args) as store:
         key_id = store.find(args.key).id if args.key else None

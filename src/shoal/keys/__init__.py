@@ -4,6 +4,8 @@
 first admin and inference keys for ``shoal up``.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from shoal.keys.errors import AmbiguousKey, DatabaseError, KeyStoreError, RevokedKey, UnknownKey
 from shoal.keys.records import (
     KeyLimits,
@@ -14,7 +16,22 @@ from shoal.keys.records import (
     UsageRow,
     parse_rate,
 )
-from shoal.keys.store import KeyStore, ensure_bootstrap_keys, open_store
+
+if TYPE_CHECKING:
+    from shoal.keys.store import KeyStore, ensure_bootstrap_keys, open_store
+
+
+def __getattr__(name: str) -> Any:
+    """The store and what opens it, imported on first use: SQLAlchemy, Alembic and psycopg
+    cost a second of start-up that ``shoal worker`` and ``shoal --help`` never need."""
+    if name in _FROM_STORE:
+        from shoal.keys import store
+
+        return getattr(store, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_FROM_STORE = frozenset({"KeyStore", "ensure_bootstrap_keys", "open_store"})
 
 __all__ = [
     "AmbiguousKey",

@@ -77,6 +77,7 @@ def data(args: argparse.Namespace) -> int:
 
 
 def worker(args: argparse.Namespace) -> int:
+    from shoal.worker.drain import Drain
     from shoal.worker.hardware import detect_profile
     from shoal.worker.link import Refusal
     from shoal.worker.main import run_worker
@@ -93,7 +94,9 @@ def worker(args: argparse.Namespace) -> int:
     except (LlamaCppError, ModelError, WorkerConfigError) as exc:
         raise UserError(str(exc)) from None
     try:
-        run(run_worker(settings, the_plan, path_env=path_env, machine=machine))
+        stop = Drain()  # SIGTERM drains the worker first (a second one stops it at once)
+        main = run_worker(settings, the_plan, path_env=path_env, machine=machine, stop=stop)
+        run(main, on_sigterm=stop.request)
     except* (Refusal, LlamaCppError, ModelError, WorkerConfigError) as group:
         raise UserError(str(group.exceptions[0])) from None
     return 0

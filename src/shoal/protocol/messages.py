@@ -34,8 +34,9 @@ from shoal.protocol.shards import (
 )
 from shoal.protocol.telemetry import GpuSample
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 """Bumped on any incompatible change; a router refuses workers that speak another version.
+11: ``Draining`` (a worker told to stop takes no new job and finishes those it runs).
 10: ``JobFailed.context_needed`` (llama-server refused the prompt as longer than its context).
 9: ``Register``/``Heartbeat.shard_devices`` (each GPU a split model may use), ``ShardStart.devices``
 (the head's ``--device``, a stage's ``-d``), ``DevicePlacement.compute_bytes``.
@@ -230,6 +231,14 @@ class StateChanged(Message):
     """``Register.backend_url``, now: a restarted llama-server listens on a new port."""
 
 
+class Draining(Message):
+    """The worker is stopping (told to: SIGTERM): send it no new job; it finishes the jobs it
+    runs, for at most ``timeout_s``, then closes (the router resumes any still running)."""
+
+    type: Literal["draining"] = "draining"
+    timeout_s: float = Field(ge=0)
+
+
 class Chunk(Message):
     """One SSE ``data:`` payload of a streaming job, exactly as the backend produced it."""
 
@@ -288,6 +297,7 @@ WorkerMessage = Annotated[
     | StateChanged
     | ModelsChanged
     | CacheChanged
+    | Draining
     | Chunks
     | JobResult
     | JobDone
@@ -476,6 +486,7 @@ __all__ = [
     "BackendState",
     "CacheChanged",
     "Chunk",
+    "Draining",
     "ChunkItem",
     "Chunks",
     "Continuation",

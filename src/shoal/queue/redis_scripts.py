@@ -280,13 +280,26 @@ return {redis.call('ZCARD', KEYS[2]) + redis.call('ZCARD', KEYS[3]), redis.call(
 """
 
 WAITING = """
--- KEYS[1] the set of queue stream names; ARGV[1..3] the stream, ready and batch key prefixes.
--- Returns {queue, waiting, ...} for every queue in the set (read by name: a single Redis).
-local res = {}
+-- KEYS[1] the set of queue stream names; ARGV[1..3] the stream, ready and batch key prefixes,
+-- ARGV[4] the job key prefix. Returns {now in ms, queue, waiting, since, ...} for every queue
+-- in the set (read by name: a single Redis), `since` the ms its longest-waiting job started to
+-- wait (-1: none waits). O(waiting jobs): one HGET each, once per heartbeat interval.
+local t = redis.call('TIME')
+local res = {tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)}
 for _, q in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local suffix = string.sub(q, #ARGV[1] + 1)
+  local n, since = 0, -1
+  for _, set in ipairs({ARGV[2] .. suffix, ARGV[3] .. suffix}) do
+    for _, m in ipairs(redis.call('ZRANGE', set, 0, -1)) do
+      n = n + 1
+      local id = string.match(m, '^%d+:([^:]+):')
+      local at = id and tonumber(redis.call('HGET', ARGV[4] .. id, 'since'))
+      if at and (since < 0 or at < since) then since = at end
+    end
+  end
   res[#res + 1] = q
-  res[#res + 1] = redis.call('ZCARD', ARGV[2] .. suffix) + redis.call('ZCARD', ARGV[3] .. suffix)
+  res[#res + 1] = n
+  res[#res + 1] = since
 end
 return res
 """

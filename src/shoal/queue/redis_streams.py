@@ -79,6 +79,7 @@ from shoal.queue.redis_support import (
     QueueFull,
     Share,
     Sweep,
+    Waiting,
     raise_if_cancelled,
     stream_entries,
     text,
@@ -250,13 +251,20 @@ class RedisJobQueue:
     async def waiting(self) -> dict[tuple[ModelName, Endpoint], int]:
         """Jobs waiting (not yet claimed) in every queue under the prefix, in one call
         (queues listed by the ``queues`` set, never ``SCAN``)."""
+        return {key: w.count for key, w in (await self.waiting_ages()).items()}
+
+    async def waiting_ages(self) -> dict[tuple[ModelName, Endpoint], Waiting]:
+        """Per queue, the jobs waiting and how long the oldest of them has waited (since it
+        last started to wait, by Redis's clock), in one call."""
         keys = [self.keys.queues]
-        args = self.keys.queue_kind_prefixes()[:3]
+        args = [*self.keys.queue_kind_prefixes()[:3], self.keys.job(JobId(""))]
         flat = await self.calls.retry(lambda: self._waiting(keys=keys, args=args), "waiting")
-        found: dict[tuple[ModelName, Endpoint], int] = {}
-        for queue, n in zip(flat[::2], flat[1::2], strict=True):
+        now = int(flat[0])
+        found: dict[tuple[ModelName, Endpoint], Waiting] = {}
+        for queue, n, since in zip(flat[1::3], flat[2::3], flat[3::3], strict=True):
             if (key := self.keys.parse_queue(text(queue))) is not None:
-                found[key] = int(n)
+                age = (now - int(since)) / 1000 if int(since) >= 0 else 0.0
+                found[key] = Waiting(int(n), max(age, 0.0))
         return found
 
     async def waiting_by_key(self) -> dict[str, int]:

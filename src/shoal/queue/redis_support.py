@@ -215,6 +215,14 @@ class QueueCounts:
 
 
 @dataclass(frozen=True, slots=True)
+class Waiting:
+    """A queue's waiting jobs: how many, and how long the oldest has waited (seconds)."""
+
+    count: int
+    oldest_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class Sweep:
     """What one ``sweep`` did: jobs failed (lost after answering), put back, consumers pruned."""
 

@@ -51,7 +51,15 @@ from shoal.router.ratelimit import MemoryRateLimiter, RateLimiter
 from shoal.router.ratelimit_redis import RedisRateLimiter
 from shoal.router.requests import RequestLimits
 from shoal.router.result_cache import MemoryResultCache, RedisResultCache, ResultCache
-from shoal.router.routes import health, images, inference, models, usage, worker_socket
+from shoal.router.routes import (
+    autoscaling,
+    health,
+    images,
+    inference,
+    models,
+    usage,
+    worker_socket,
+)
 from shoal.router.routes import jobs as jobs_routes
 from shoal.router.routes import metrics as metrics_routes
 from shoal.router.settings import RouterSettings
@@ -137,6 +145,7 @@ def build_app(settings: RouterSettings, store: KeyStore | None = None) -> infere
         images,
         models,
         health,
+        autoscaling,
         deployments_routes,
         worker_socket,
         usage,

@@ -38,8 +38,11 @@ from prometheus_client.metrics_core import (
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import BackendState
 from shoal.protocol.telemetry import GpuSample
+from shoal.router.autoscaling import ModelSignals
+from shoal.router.autoscaling import families as autoscaling_families
 from shoal.router.gpu_metrics import gpu_families
 
 # Buckets (upper bounds, seconds). Prometheus histograms are only as good as their buckets:
@@ -120,6 +123,8 @@ class Snapshot:
     the head), since this router started running it."""
     gpus: Mapping[str, Sequence[GpuSample]] = field(default_factory=dict)
     """Worker label -> its GPUs' latest telemetry (``gpu_metrics``: this router's workers)."""
+    autoscaling: Mapping[ModelName, ModelSignals] = field(default_factory=dict)
+    """Model -> its scaling signals over the whole cluster (``autoscaling``)."""
 
 
 SnapshotSource = Callable[[], Snapshot]
@@ -237,6 +242,7 @@ class _ScrapeCollector:
             tunnel.add_metric([deployment, "to_head"], to_head)
         yield tunnel
         yield from gpu_families(snap.gpus)
+        yield from autoscaling_families(snap.autoscaling)
         for histogram in self.histograms:
             yield histogram.family()
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from shoal.protocol.ids import ModelName
+from shoal.protocol.messages import BackendState
 from shoal.protocol.telemetry import GpuSample
+from shoal.router.autoscaling import ModelSignals, WorkerSlots, signals
 from shoal.router.deployments.controller import Deployments
 from shoal.router.deployments.deployment import TunnelBytes
 from shoal.router.dispatch.interface import Dispatcher
@@ -38,7 +41,37 @@ def snapshot(registry: Registry, dispatcher: Dispatcher, deployments: Deployment
         key_queue_depth=dict(dispatcher.waiting_by_key()),
         tunnel_bytes={name: _pair(deployments.tunnels.traffic(name)) for name in relayed},
         gpus=_gpus(registry),
+        autoscaling=autoscaling(registry, dispatcher),
     )
+
+
+_TAKES_JOBS = frozenset({BackendState.READY, BackendState.UNLOADED})
+
+
+def autoscaling(registry: Registry, dispatcher: Dispatcher) -> dict[ModelName, ModelSignals]:
+    """The scaling signals per model (``autoscaling.py``): this router's workers as they are,
+    the other routers' as of the directory's last sync, the queue as of its last snapshot."""
+    local = (
+        WorkerSlots(
+            models=tuple(m.name for m in w.models),
+            slots=w.slots,
+            running=len(w.running),
+            takes_jobs=w.available,
+            draining=w.draining,
+        )
+        for w in registry
+    )
+    remote = (
+        WorkerSlots(
+            models=tuple(m.name for m in r.models),
+            slots=int(r.summary.get("slots", 0)),
+            running=int(r.summary.get("running_jobs", 0)),
+            takes_jobs=r.state in _TAKES_JOBS and not r.draining,
+            draining=r.draining,
+        )
+        for r in dispatcher.remote_workers()
+    )
+    return signals([*local, *remote], dispatcher.queue_depths(), dispatcher.oldest_waits())
 
 
 def _gpus(registry: Registry) -> dict[str, tuple[GpuSample, ...]]:

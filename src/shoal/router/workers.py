@@ -85,6 +85,8 @@ class WorkerConnection:
     """Why it cannot run parts of split models (None: it can)."""
     gpus_unused: str | None = None
     """Why its GPUs sit idle (``Register.gpus_unused``; None: they do not)."""
+    draining: bool = False
+    """It is stopping (``Draining``): it takes no new job and finishes those it runs."""
     cached: frozenset[int] = frozenset()
     """The prefix hashes its llama-server's slots hold (``CacheChanged``), with those of the
     jobs placed on it since (its report may not include them yet)."""
@@ -191,18 +193,41 @@ class WorkerConnection:
         if changed:
             self._changed()
 
+    def drain(self, timeout_s: float) -> None:
+        """It stops once its jobs are done (at most ``timeout_s``): no new job goes to it."""
+        if not self.draining:
+            log.info(
+                "worker %s (%s): draining, %d job(s) running, closing in at most %g s",
+                self.id,
+                self.name,
+                len(self.running),
+                timeout_s,
+            )
+            self.draining = True
+            self._changed()
+
     def send(self, message: Message) -> None:
         """Queue a frame for this worker's writer; never blocks."""
         self.outbox.put_nowait(encode(message))
 
     @property
     def ready(self) -> bool:
-        return self.conn_state is ConnState.ACTIVE and self.backend_state is BackendState.READY
+        """Connected, its backend ready, and not draining."""
+        return (
+            self.conn_state is ConnState.ACTIVE
+            and self.backend_state is BackendState.READY
+            and not self.draining
+        )
 
     @property
     def available(self) -> bool:
-        """Takes jobs: ready, or unloaded after idling (the job waits while it loads again)."""
-        return self.conn_state is ConnState.ACTIVE and self.backend_state in _TAKES_JOBS
+        """Takes jobs: ready, or unloaded after idling (the job waits while it loads again);
+        never while draining."""
+        return (
+            self.conn_state is ConnState.ACTIVE
+            and self.backend_state in _TAKES_JOBS
+            and not self.draining
+        )
 
     def load(self) -> WorkerLoad:
         return WorkerLoad(
@@ -234,6 +259,7 @@ class WorkerConnection:
             "state": self.backend_state.value,
             "detail": self.detail,
             "connection": self.conn_state.value,
+            "draining": self.draining,
             "models": self.models_json(),
             "slots": self.slots,
             "running_jobs": len(self.running),

@@ -40,8 +40,11 @@ from shoal.lifecycle import Lifecycle, Transitions
 from shoal.protocol.messages import (
     BackendState,
     CacheChanged,
+    Draining,
+    ErrorBody,
     Heartbeat,
     JobCancel,
+    JobFailed,
     JobResume,
     JobStart,
     Message,
@@ -234,6 +237,8 @@ class RouterLink:
         self.default_model: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         """The router's default model, from the first ``registered`` reply."""
         self._grace: asyncio.TimerHandle | None = None
+        self._draining: Draining | None = None
+        """Set once the worker drains (``drain``): told to every router it registers with."""
 
     @property
     def state(self) -> LinkState:
@@ -262,6 +267,12 @@ class RouterLink:
         self.cached_blocks = blocks
         if self.state is LinkState.REGISTERED:
             self.outbox.send(CacheChanged(blocks=blocks))
+
+    def drain(self, timeout_s: float) -> None:
+        """The worker stops once its jobs are answered: the router sends it no new job."""
+        self._draining = Draining(timeout_s=timeout_s)
+        if self.state is LinkState.REGISTERED:
+            self.outbox.send(self._draining)
 
     async def run(self) -> None:
         attempt = turn = 0
@@ -363,6 +374,8 @@ class RouterLink:
         self.outbox.detach()
         if self.cached_blocks:
             self.outbox.send(CacheChanged(blocks=self.cached_blocks))
+        if self._draining is not None:
+            self.outbox.send(self._draining)
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self.outbox.pump(ws.send))
@@ -407,6 +420,16 @@ class RouterLink:
                 )
             )
 
+    def _refuse_draining(self, job: JobStart) -> None:
+        """A job sent before the router heard that we drain: it runs elsewhere."""
+        log.info("job %s: refused, worker %s is draining", job.job_id, self.worker_id)
+        error = ErrorBody(
+            message="The worker is stopping; the request runs on another worker.",
+            type="server_error",
+            code="worker_draining",
+        )
+        self.outbox.send(JobFailed(job_id=job.job_id, status=503, error=error, retryable=True))
+
     def _model_control(self, msg: ModelControl) -> None:
         if not self.model_control(msg):
             log.warning(
@@ -424,6 +447,8 @@ class RouterLink:
 
     def _handle(self, msg: RouterMessage) -> None:
         match msg:
+            case JobStart() if self._draining is not None:
+                self._refuse_draining(msg)
             case JobStart():
                 self.outbox.open(msg.job_id, msg.attempt)
                 self.runner.start(msg)

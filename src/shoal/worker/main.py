@@ -45,6 +45,7 @@ from shoal.units import GIB
 from shoal.worker import hardware, loopback
 from shoal.worker.attached import AttachedServer
 from shoal.worker.backend import Backend, BackendTarget, discover_model
+from shoal.worker.drain import Drain, Drained, drain
 from shoal.worker.image_plan import ImagePlan, plan_images, start_images
 from shoal.worker.link import (
     NO_LLAMA_CPP,
@@ -271,12 +272,15 @@ async def run_worker(
     *,
     path_env: str | None = None,
     machine: MachineProfile | None = None,
+    stop: Drain | None = None,
 ) -> None:
-    """Run until cancelled. Raises ``link.Refusal`` when the router will never accept us.
+    """Run until cancelled, or until ``stop`` is requested and the drain ends (``drain.py``).
+    Raises ``link.Refusal`` when the router will never accept us.
 
     With ``the_plan`` None the model is the router's default, resolved after registering
     (in pull mode, Shoal's default model, resolved first).
     """
+    stop = stop or Drain()
     worker_id = new_worker_id(settings.name)
     if machine is None:
         machine = await asyncio.to_thread(hardware.detect_profile)
@@ -291,6 +295,7 @@ async def run_worker(
             the_plan,
             _registration(worker_id, settings, machine, serving, memory),
             memory,
+            stop,
         )
         return
     outbox = Outbox()
@@ -339,18 +344,37 @@ async def run_worker(
             serves if text else "no text",
             ", ".join(settings.ws_urls),
         )
-        async with asyncio.TaskGroup() as tg:
-            if serving.shards is not None:
-                tg.create_task(serving.shards.run())
-            if serving.images is not None:
-                tg.create_task(serving.images.run())
-            if the_plan is not None:
-                await serving.start(the_plan, tg, runner, session)
-            elif text:
-                tg.create_task(serving.adopt_default(link, tg, runner, session))
-            else:
-                tg.create_task(runner.run())  # image models only
-            await link.run()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                until = outbox.until_answered
+                timeout = settings.drain_timeout
+                tg.create_task(drain(stop, link, lambda: runner.running, until, timeout, worker_id))
+                await _serve(serving, the_plan, text, link, tg, runner, session)
+        except* Drained:
+            pass
+
+
+async def _serve(
+    serving: _Serving,
+    the_plan: Plan | None,
+    text: bool,
+    link: RouterLink,
+    tg: asyncio.TaskGroup,
+    runner: JobRunner,
+    session: aiohttp.ClientSession,
+) -> None:
+    """Start what the worker serves in ``tg``, then serve its router link."""
+    if serving.shards is not None:
+        tg.create_task(serving.shards.run())
+    if serving.images is not None:
+        tg.create_task(serving.images.run())
+    if the_plan is not None:
+        await serving.start(the_plan, tg, runner, session)
+    elif text:
+        tg.create_task(serving.adopt_default(link, tg, runner, session))
+    else:
+        tg.create_task(runner.run())  # image models only
+    await link.run()
 
 
 async def _split_models(
@@ -443,8 +467,9 @@ async def _pull(
     the_plan: Plan,
     register: Callable[[], Register],
     memory: hardware.MemoryProbe,
+    stop: Drain,
 ) -> None:
-    """Pull mode: serve jobs from the Redis job queue until cancelled."""
+    """Pull mode: serve jobs from the Redis job queue until cancelled or drained."""
     assert settings.redis_url is not None
     url = settings.redis_url.get_secret_value()
     client = redis_client(url)
@@ -472,7 +497,12 @@ async def _pull(
         ):
             # The runner task is created first, so it is open when the puller first claims.
             await serving.start(the_plan, tg, puller.runner, session)
+            running, until = (lambda: puller.running), puller.runner.until_idle
+            name = puller.worker_id
+            tg.create_task(drain(stop, puller, running, until, settings.drain_timeout, name))
             await puller.run()
+    except* Drained:
+        pass
     finally:
         await client.aclose()
 

@@ -51,6 +51,9 @@ class Outbox:
         self._pending: list[Pending] = []
         self._wake = asyncio.Event()
         self._journals: dict[JobId, Journal] = {}
+        self._answered = asyncio.Event()
+        """Set while no job's answer waits to reach the router (no journal)."""
+        self._answered.set()
 
     # ------------------------------------------------------------ producers
 
@@ -79,10 +82,12 @@ class Outbox:
     def open(self, job_id: JobId, attempt: int) -> None:
         """Start journaling a job the router just started."""
         self._journals[job_id] = Journal(attempt)
+        self._answered.clear()
 
     def discard(self, job_id: JobId) -> None:
         """Forget a job (cancelled): its held output is dropped."""
         self._journals.pop(job_id, None)
+        self._note_answered()
 
     def detach(self) -> None:
         """The router connection broke: hold every journaled job's output, drop the rest.
@@ -117,6 +122,16 @@ class Outbox:
         """Drop every frame and journal (the worker gave up on its jobs)."""
         self._pending.clear()
         self._journals.clear()
+        self._note_answered()
+
+    def _note_answered(self) -> None:
+        if not self._journals:
+            self._answered.set()
+
+    async def until_answered(self) -> None:
+        """Until every job the router started here has had its final message written to the
+        router's socket (a draining worker's last wait)."""
+        await self._answered.wait()
 
     # ------------------------------------------------------------ writer
 
@@ -131,6 +146,7 @@ class Outbox:
             for item in pending:  # answered in full: the journal is no longer needed
                 if isinstance(item, Final):
                     self._journals.pop(item.job_id, None)
+            self._note_answered()
 
 
 def frames(pending: list[Pending]) -> list[Frame]:

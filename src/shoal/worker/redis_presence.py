@@ -58,6 +58,7 @@ def summary(
     consumer: str,
     cached_blocks: tuple[int, ...] = (),
     gpu_telemetry: tuple[GpuSample, ...] = (),
+    draining: bool = False,
 ) -> Summary:
     """The entry's summary: the fields a router writes for its own workers, and ``consumer``,
     this worker's name in the queue's consumer group (what a job is held for)."""
@@ -82,6 +83,7 @@ def summary(
         "last_seen_s_ago": 0.0,  # written just now; the TTL drops an entry gone stale
         "cached_blocks": list(cached_blocks),
         "consumer": consumer,
+        "draining": draining,
     }
 
 

@@ -213,6 +213,8 @@ class RedisPuller:
         self._held: dict[JobId, Held] = {}
         self._wake = asyncio.Event()  # a slot freed, the backend or the models changed
         self.loops = ConsumerLoops(self.queue, self)
+        self.draining = False
+        """Told to stop (``drain``): it claims no more jobs."""
 
     @property
     def running(self) -> int:
@@ -243,6 +245,13 @@ class RedisPuller:
         self.cached_blocks = blocks
         self.presence.soon()
 
+    def drain(self, timeout_s: float) -> None:
+        """Claim no more jobs (the worker stops once those it holds are answered, at most
+        ``timeout_s`` from now); the routers see it draining in its entry."""
+        self.draining = True
+        self._wake.set()
+        self.presence.changed()
+
     async def describe(self) -> Summary:
         """This worker's entry in the cluster's worker list."""
         reading = await self.memory.read()
@@ -256,6 +265,7 @@ class RedisPuller:
             connected_at=self.connected_at,
             consumer=self.queue.consumer,
             cached_blocks=self.cached_blocks,
+            draining=self.draining,
         )
 
     # ------------------------------------------------------------ running
@@ -282,6 +292,9 @@ class RedisPuller:
         attempt = 0
         while True:
             raise_if_cancelled()
+            if self.draining:
+                log.info("pull worker %s: draining, claims no more jobs", self.worker_id)
+                return
             plan = plan_claim(self.models, self.backend_state, self.slots, self.running)
             self._move(plan.state, plan.why)
             if plan.state is not PullState.CLAIMING:

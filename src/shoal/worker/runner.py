@@ -38,10 +38,17 @@ class JobRunner:
         self._images: dict[Endpoint, JobFunction] = {}
         self._tasks: dict[JobId, asyncio.Task[None]] = {}
         self._group: asyncio.TaskGroup | None = None
+        self._idle = asyncio.Event()
+        """Set while no job runs."""
+        self._idle.set()
 
     @property
     def running(self) -> int:
         return len(self._tasks)
+
+    async def until_idle(self) -> None:
+        """Until no job runs here."""
+        await self._idle.wait()
 
     def serve(self, endpoints: Iterable[Endpoint], run: JobFunction) -> None:
         """Run jobs for the image ``endpoints`` with ``run`` (which holds its own models)."""
@@ -87,6 +94,7 @@ class JobRunner:
         )
         task = self._group.create_task(self._run(job, backend.run, gate))
         self._tasks[job.job_id] = task
+        self._idle.clear()
 
     def _start_image(self, job: JobStart) -> None:
         assert self._group is not None
@@ -102,6 +110,7 @@ class JobRunner:
             return
         log.info("job %s model=%s endpoint=%s: started", job.job_id, job.model, job.endpoint)
         self._tasks[job.job_id] = self._group.create_task(self._run(job, run))
+        self._idle.clear()
 
     async def _run(
         self, job: JobStart, run: JobFunction, gate: Gate = contextlib.nullcontext
@@ -142,6 +151,8 @@ class JobRunner:
             )
         finally:
             self._tasks.pop(job.job_id, None)
+            if not self._tasks:
+                self._idle.set()
 
     def cancel(self, job_id: JobId) -> None:
         task = self._tasks.get(job_id)

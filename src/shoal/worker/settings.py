@@ -249,6 +249,15 @@ class WorkerSettings(LlamaCppOptions):
         "answers go on on other workers. It answers /health while it computes, however long "
         "the prompt. 0: off (a hang is then found by three failed health checks 10 s apart).",
     )
+    drain_timeout: float = Field(
+        25.0,
+        ge=0,
+        description="Seconds a worker told to stop (SIGTERM) drains before it stops: it takes "
+        "no new job and finishes those it runs; any still running then go on on another "
+        "worker. Keep it below the grace period of what stops it (Kubernetes' "
+        "terminationGracePeriodSeconds, 30 s by default; Docker's stop timeout, 10 s). A "
+        "second SIGTERM, or SIGINT (Ctrl-C), stops it at once.",
+    )
     rpc_host: str | None = Field(
         None,
         description="Direct mode for split models, trusted networks only: the IPv4 address "

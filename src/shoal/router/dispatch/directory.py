@@ -77,6 +77,16 @@ class RemoteWorker:
         )
 
     @property
+    def draining(self) -> bool:
+        """It is stopping: it takes no new job (``Draining``)."""
+        return bool(self.summary.get("draining", False))
+
+    @property
+    def ready(self) -> bool:
+        """Its backend is ready and it is not draining."""
+        return self.state is BackendState.READY and not self.draining
+
+    @property
     def pulls(self) -> bool:
         """A pull worker: it claims its jobs from Redis itself (no router holds it)."""
         return self.summary.get("connection") == "redis-pull"
@@ -95,8 +105,8 @@ class RemoteWorker:
         """What the scheduler knows of it, as of its router's last sync."""
         return WorkerLoad(
             id=self.id,
-            ready=self.state in _TAKES_JOBS,
-            loaded=self.state is BackendState.READY,
+            ready=self.state in _TAKES_JOBS and not self.draining,
+            loaded=self.ready,
             models=frozenset((m.name, e) for m in self.models for e in m.endpoints),
             slots=int(self.summary.get("slots", 0)),
             running=int(self.summary.get("running_jobs", 0)),

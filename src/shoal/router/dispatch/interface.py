@@ -65,6 +65,12 @@ class Dispatcher(Protocol):
         may be missing. Cheap: no I/O (with Redis, a snapshot a heartbeat interval old)."""
         ...
 
+    def oldest_waits(self) -> Mapping[ModelName, float]:
+        """Seconds the oldest request waiting for each model has waited (since it last started
+        to wait); a model with none waiting may be missing. Cheap like ``queue_depths`` (with
+        Redis, the same snapshot)."""
+        ...
+
     def waiting_by_key(self) -> Mapping[str, int]:
         """Requests waiting per tenant (API key id): in this router, or with Redis in every
         router on it (a snapshot a heartbeat interval old)."""

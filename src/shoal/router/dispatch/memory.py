@@ -72,6 +72,15 @@ class MemoryDispatcher:
             depths[model] += len(queue)
         return depths
 
+    def oldest_waits(self) -> Mapping[ModelName, float]:
+        """How long each model's oldest waiting job has waited here, now (O(waiting jobs))."""
+        now = time.monotonic()
+        oldest: dict[ModelName, float] = {}
+        for (model, _), queue in self._queues.items():
+            for job in queue.jobs():
+                oldest[model] = max(oldest.get(model, 0.0), now - job.queued_at)
+        return oldest
+
     def waiting_by_key(self) -> Mapping[str, int]:
         """Requests waiting here per tenant (API key id), over every queue."""
         total: Counter[str] = Counter()

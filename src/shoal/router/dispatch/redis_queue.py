@@ -167,6 +167,7 @@ class RedisDispatcher:
         self._followed: dict[JobId, _Followed] = {}
         self._tg: asyncio.TaskGroup | None = None
         self._depths: dict[ModelName, int] = {}
+        self._oldest: dict[ModelName, float] = {}
         self._by_key: dict[str, int] = {}
         self._places: dict[JobId, int] = {}  # this router's waiting jobs: their places
         self._places_read = asyncio.Event()  # set (and replaced) after every read
@@ -219,6 +220,11 @@ class RedisDispatcher:
         last one taken before it went)."""
         return self._depths
 
+    def oldest_waits(self) -> Mapping[ModelName, float]:
+        """How long each model's oldest waiting job had waited at ``run_depths``'s last
+        snapshot (by Redis's clock)."""
+        return self._oldest
+
     async def run_positions(self) -> None:
         """Read the places of this router's waiting jobs in one script call every
         ``POSITIONS_INTERVAL_S`` while any wait, and at once when one is queued; idle (no
@@ -245,18 +251,22 @@ class RedisDispatcher:
                     await self._some_wait.wait()
 
     async def run_depths(self) -> None:
-        """Count the jobs waiting in every queue every heartbeat interval (one script call)."""
+        """Count the jobs waiting in every queue, and the oldest one's wait, every heartbeat
+        interval (one script call)."""
         while True:
             try:
-                waiting = await self.rqueue.waiting()
+                waiting = await self.rqueue.waiting_ages()
                 self._by_key = await self.rqueue.waiting_by_key()
             except REDIS_DOWN:
                 pass  # the outage is logged by the call; the last snapshot stays
             else:
                 depths: Counter[ModelName] = Counter()
-                for (model, _), n in waiting.items():
-                    depths[model] += n
-                self._depths = dict(depths)
+                oldest: dict[ModelName, float] = {}
+                for (model, _), w in waiting.items():
+                    depths[model] += w.count
+                    if w.count:
+                        oldest[model] = max(oldest.get(model, 0.0), w.oldest_s)
+                self._depths, self._oldest = dict(depths), oldest
             raise_if_cancelled()
             await asyncio.sleep(self.settings.heartbeat_interval)
 

@@ -20,6 +20,7 @@ from shoal.protocol.messages import (
     CacheChanged,
     ChunkItem,
     Chunks,
+    Draining,
     Heartbeat,
     JobCancel,
     JobDone,
@@ -104,9 +105,8 @@ class WorkerSide:
             case JobFailed():
                 self.running.on_failed(worker, msg, now)
                 self._cache_changed()
-            case Heartbeat(state=state):
-                worker.on_heartbeat(msg)
-                self._on_state(worker, state, worker.detail, worker.backend_url)
+            case Heartbeat() | StateChanged() | Draining():
+                self._on_status(worker, msg)
             case CacheChanged(blocks=blocks):
                 worker.set_cached(blocks)
                 self._cache_changed()
@@ -114,10 +114,22 @@ class WorkerSide:
                 worker.set_models(models)
                 self._changed()
                 self._capacity()
-            case StateChanged(state=state, detail=detail, backend_url=backend_url):
-                self._on_state(worker, state, detail, backend_url)
             case Register():
                 raise ValueError("register sent twice")
+
+    def _on_status(
+        self, worker: WorkerConnection, msg: Heartbeat | StateChanged | Draining
+    ) -> None:
+        """What the worker says of itself: its backend's state, its memory, that it drains."""
+        match msg:
+            case Heartbeat(state=state):
+                worker.on_heartbeat(msg)
+                self._on_state(worker, state, worker.detail, worker.backend_url)
+            case StateChanged(state=state, detail=detail, backend_url=backend_url):
+                self._on_state(worker, state, detail, backend_url)
+            case Draining(timeout_s=timeout_s):
+                worker.drain(timeout_s)
+                self._changed()
 
     def _on_state(
         self, worker: WorkerConnection, state: BackendState, detail: str, backend_url: str | None

@@ -6,7 +6,6 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from shoal import __version__
-from shoal.protocol.messages import BackendState
 from shoal.router.context import context
 from shoal.router.errors import Unavailable
 from shoal.router.routes.common import json_response
@@ -30,7 +29,7 @@ async def health(request: Request) -> Response:
         open_scopes = None
     remote = ctx.dispatcher.remote_workers()
     ready = ctx.registry.ready()
-    ready += sum(1 for r in remote if r.state is BackendState.READY)
+    ready += sum(1 for r in remote if r.ready)
     models = {*ctx.registry.model_names(), *(m.name for r in remote for m in r.models)}
     return json_response(
         {

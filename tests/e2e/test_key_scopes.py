@@ -20,7 +20,13 @@ from shoal.keys.usage import hour_start
 pytestmark = pytest.mark.e2e
 
 ADMIN_FLAG_KEY = "admin-test-flag-key"
-CONTROL_PLANE = ["/metrics", "/api/v1/workers", "/api/v1/usage", "/api/v1/pipeline/status"]
+CONTROL_PLANE = [
+    "/metrics",
+    "/api/v1/workers",
+    "/api/v1/usage",
+    "/api/v1/pipeline/status",
+    "/api/v1/autoscaling",
+]
 ASK = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
 
 

@@ -15,6 +15,7 @@ A worker serving several models counts its slots (and its running jobs) for each
 
 from __future__ import annotations
 
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 
@@ -53,28 +54,25 @@ def signals(
     depths: Mapping[ModelName, int],
     oldest: Mapping[ModelName, float],
 ) -> dict[ModelName, ModelSignals]:
-    """Every model served or waited for -> its signals (``oldest``: seconds, per model)."""
-    totals: dict[ModelName, list[int]] = {}
+    """Every model served or waited for -> its signals (``oldest``: seconds, per model; a
+    model with nothing waiting has no oldest wait, whatever a stale snapshot says)."""
+    slots: dict[ModelName, Counter[str]] = defaultdict(Counter)
     for w in workers:
         free = max(w.slots - w.running, 0) if w.takes_jobs else 0
         for model in w.models:
-            t = totals.setdefault(model, [0, 0, 0, 0])
-            t[0] += free
-            t[1] += w.running
-            t[2] += 1
-            t[3] += w.draining
-    models = sorted({*totals, *depths, *oldest})
-    return {
-        m: ModelSignals(
-            queue_depth=depths.get(m, 0),
-            oldest_wait_s=round(max(oldest.get(m, 0.0), 0.0), 3) if depths.get(m, 0) else 0.0,
-            ready_slots=totals.get(m, [0])[0],
-            busy_slots=totals.get(m, [0, 0])[1],
-            workers=totals.get(m, [0, 0, 0])[2],
-            draining_workers=totals.get(m, [0, 0, 0, 0])[3],
+            slots[model].update(ready=free, busy=w.running, workers=1, draining=int(w.draining))
+    result: dict[ModelName, ModelSignals] = {}
+    for model in sorted({*slots, *depths, *oldest}):
+        waiting, tally = depths.get(model, 0), slots.get(model, Counter())
+        result[model] = ModelSignals(
+            queue_depth=waiting,
+            oldest_wait_s=round(max(oldest.get(model, 0.0), 0.0), 3) if waiting else 0.0,
+            ready_slots=tally["ready"],
+            busy_slots=tally["busy"],
+            workers=tally["workers"],
+            draining_workers=tally["draining"],
         )
-        for m in models
-    }
+    return result
 
 
 _GAUGES = (

@@ -50,7 +50,7 @@ def ask(router: Router, max_tokens: int) -> Iterator[httpx.Response]:
 def stream_all(router: Router, first_chunk: threading.Event) -> tuple[int, list[str]]:
     """The whole stream: its number of content chunks and every data payload."""
     payloads = []
-    for r in ask(router, max_tokens=40):
+    for r in ask(router, max_tokens=200):
         for data in iter_sse(r):
             payloads.append(data)
             first_chunk.set()
@@ -102,7 +102,9 @@ def test_a_worker_told_to_stop_drains_and_every_router_reports_the_signals(
     shared = ("--redis-url", REDIS_URL, "--redis-prefix", redis_prefix, "--max-wait", "120")
     a = cluster.router(*shared, "--admin-key", ADMIN_KEY)
     b = cluster.router(*shared, "--admin-key", ADMIN_KEY)  # no worker of its own
-    worker = cluster.worker(a, "--slots", "1", "--drain-timeout", "60", name="drains")
+    # Its paused llama-server is not taken for hung (--backend-stall-timeout 0).
+    slow = ("--slots", "1", "--drain-timeout", "60", "--backend-stall-timeout", "0")
+    worker = cluster.worker(a, *slow, name="drains")
     wait_until(lambda: scaling(b).get("ready_slots") == 1, 60, "B to see A's ready worker")
 
     # The admin endpoint is the control plane's: an inference key, or none, is refused.

@@ -40,6 +40,7 @@ def adapt(doc: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     }
     for container in pod["containers"]:
         container["image"] = args.image
+        container.pop("ports", None)  # the host's network: nothing to map
         if name == "shoal-router":
             values = {
                 "SHOAL_HOST": "127.0.0.1",

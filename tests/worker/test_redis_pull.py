@@ -29,6 +29,7 @@ from shoal.queue.redis_keys import worker_index_key, worker_key
 from shoal.queue.redis_streams import RedisJobQueue
 from shoal.queue.redis_support import JobStatus, QueuedJob, text
 from shoal.router.dispatch.directory import parse_remote
+from shoal.worker.drain import Drain
 from shoal.worker.hardware import detect_profile
 from shoal.worker.main import run_worker
 from shoal.worker.plan import needs_router_default, plan
@@ -120,7 +121,11 @@ def started(
 
     @contextlib.asynccontextmanager
     async def start(
-        name: str = "pw", slots: int = 1, lease: float = 30.0, url: str = REDIS_URL
+        name: str = "pw",
+        slots: int = 1,
+        lease: float = 30.0,
+        url: str = REDIS_URL,
+        stop: Drain | None = None,
     ) -> AsyncIterator[str]:
         settings = WorkerSettings(
             redis_url=SecretStr(url),
@@ -136,7 +141,8 @@ def started(
         )
         the_plan = await asyncio.to_thread(plan, settings, None, machine)
         ready = asyncio.Event()
-        task = asyncio.create_task(run_worker(settings, the_plan, ready.set, machine=machine))
+        main = run_worker(settings, the_plan, ready.set, machine=machine, stop=stop)
+        task = asyncio.create_task(main)
         try:
             async with asyncio.timeout(READY_TIMEOUT_S):
                 await ready.wait()
@@ -268,6 +274,25 @@ async def test_listed_in_the_worker_list_while_running(
         assert remote.claimer == consumer_name(worker_id)
     assert not await redis_client.exists(key)
     assert not await redis_client.sismember(index, worker_id)
+
+
+async def test_a_draining_pull_worker_answers_its_job_claims_no_more_and_leaves(
+    started: Started, queue: RedisJobQueue, redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    index = worker_index_key(redis_prefix)
+    stop = Drain()
+    async with started(name="drains", slots=2, stop=stop):
+        [worker_id] = [text(m) for m in await redis_client.smembers(index)]
+        running = ask(stream=True, max_tokens=60, ignore_eos=True)
+        await queue.enqueue(running)
+        await first_data(queue, running.id)
+        assert stop.request() and not stop.request()  # a second SIGTERM stops at once
+        later = ask(stream=False)
+        await queue.enqueue(later)  # a slot is free, but it drains
+        assert isinstance((await answer(queue, running.id))[-1], events.Done)
+        # It stops by itself once answered: its entry goes; the later job was never claimed.
+        await until(lambda: redis_client.exists(worker_key(redis_prefix, worker_id)), 0)
+        assert await queue.status(later.id) is JobStatus.WAITING
 
 
 async def test_rides_out_a_redis_restart(

@@ -310,6 +310,10 @@ class RedisPuller:
                 await asyncio.sleep(delay)
                 continue
             attempt = 0
+            if self.draining:  # it drained while that claim waited: the jobs go back
+                for c in claimed:
+                    self._send(GiveBack(c, f"worker {self.worker_id} is draining"))
+                continue
             if not all([self._start(c) for c in claimed]):
                 self._move(PullState.PAUSED, "(the job runner is not running)")
                 await self._sleep_until_woken()

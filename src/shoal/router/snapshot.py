@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from shoal.protocol.ids import ModelName
-from shoal.protocol.messages import BackendState
 from shoal.protocol.telemetry import GpuSample
 from shoal.router.autoscaling import ModelSignals, WorkerSlots, signals
 from shoal.router.deployments.controller import Deployments
@@ -45,9 +44,6 @@ def snapshot(registry: Registry, dispatcher: Dispatcher, deployments: Deployment
     )
 
 
-_TAKES_JOBS = frozenset({BackendState.READY, BackendState.UNLOADED})
-
-
 def autoscaling(registry: Registry, dispatcher: Dispatcher) -> dict[ModelName, ModelSignals]:
     """The scaling signals per model (``autoscaling.py``): this router's workers as they are,
     the other routers' as of the directory's last sync, the queue as of its last snapshot."""
@@ -66,7 +62,7 @@ def autoscaling(registry: Registry, dispatcher: Dispatcher) -> dict[ModelName, M
             models=tuple(m.name for m in r.models),
             slots=int(r.summary.get("slots", 0)),
             running=int(r.summary.get("running_jobs", 0)),
-            takes_jobs=r.state in _TAKES_JOBS and not r.draining,
+            takes_jobs=r.takes_jobs,
             draining=r.draining,
         )
         for r in dispatcher.remote_workers()

@@ -87,6 +87,11 @@ class RemoteWorker:
         return self.state is BackendState.READY and not self.draining
 
     @property
+    def takes_jobs(self) -> bool:
+        """Ready, or unloaded after idling (it loads on the next job), and not draining."""
+        return self.state in _TAKES_JOBS and not self.draining
+
+    @property
     def pulls(self) -> bool:
         """A pull worker: it claims its jobs from Redis itself (no router holds it)."""
         return self.summary.get("connection") == "redis-pull"
@@ -105,7 +110,7 @@ class RemoteWorker:
         """What the scheduler knows of it, as of its router's last sync."""
         return WorkerLoad(
             id=self.id,
-            ready=self.state in _TAKES_JOBS and not self.draining,
+            ready=self.takes_jobs,
             loaded=self.ready,
             models=frozenset((m.name, e) for m in self.models for e in m.endpoints),
             slots=int(self.summary.get("slots", 0)),

@@ -63,7 +63,21 @@ def adapt(doc: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         if volume["name"] == "model-cache":
             volume.pop("emptyDir", None)
             volume["persistentVolumeClaim"] = {"claimName": args.models_volume}
+        elif "emptyDir" in volume:
+            # podman 4.3 makes an emptyDir a named volume by its name: one per pod here, as
+            # on Kubernetes, not one /tmp shared by the router's and the worker's pods.
+            _rename(pod, volume["name"], f"{name}-{volume['name']}")
     return doc
+
+
+def _rename(pod: dict[str, Any], old: str, new: str) -> None:
+    for volume in pod["volumes"]:
+        if volume["name"] == old:
+            volume["name"] = new
+    for container in pod["containers"]:
+        for mount in container.get("volumeMounts", []):
+            if mount["name"] == old:
+                mount["name"] = new
 
 
 def main() -> None:

@@ -44,8 +44,10 @@ started=$(date +%s)
 say() { printf '==> [%4ss] %s\n' "$(($(date +%s) - started))" "$*" >&2; }
 
 cleanup() {
-    podman rm -f -t 0 shoal-check-router shoal-check-worker >/dev/null 2>&1 || true
+    podman rm -f -v -t 0 shoal-check-router shoal-check-worker >/dev/null 2>&1 || true
     [ -f "$W/kube.yaml" ] && podman kube down "$W/kube.yaml" >/dev/null 2>&1 || true
+    # The pods' emptyDir volumes (scripts/kube_play.py names them shoal-check-<deployment>-*).
+    podman volume ls -q | grep -E '^shoal-check-shoal-(router|worker)-' | xargs -r podman volume rm -f >/dev/null 2>&1 || true
     rm -rf "$W"
 }
 trap cleanup EXIT
@@ -196,7 +198,7 @@ say "worker container stopped after $(($(date +%s) - t0)) s, exit code $(podman 
 wait "$stream" || { cat "$W/stream.out"; podman logs --tail 30 shoal-check-worker; exit 1; }
 cat "$W/stream.out" | tail -1
 podman logs shoal-check-worker 2>&1 | grep -iE "drain" || { echo "the worker did not drain" >&2; exit 1; }
-podman rm -f -t 0 shoal-check-router shoal-check-worker >/dev/null
+podman rm -f -v -t 0 shoal-check-router shoal-check-worker >/dev/null
 
 # ---------------------------------------------------------------- podman kube play
 if ! command -v kubectl >/dev/null; then
@@ -221,5 +223,5 @@ reply = OpenAI().chat.completions.create(
     messages=[{"role": "user", "content": "Say hello"}])
 print("==> chat answer from the kube play pods:", repr(reply.choices[0].message.content))
 PY
-podman kube down "$W/kube.yaml" >/dev/null
+podman kube down "$W/kube.yaml" >/dev/null 2>&1
 say "done: image, containers, drain and kube play all passed"

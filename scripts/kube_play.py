@@ -66,7 +66,7 @@ def adapt(doc: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         elif "emptyDir" in volume:
             # podman 4.3 makes an emptyDir a named volume by its name: one per pod here, as
             # on Kubernetes, not one /tmp shared by the router's and the worker's pods.
-            _rename(pod, volume["name"], f"{name}-{volume['name']}")
+            _rename(pod, volume["name"], f"shoal-check-{name}-{volume['name']}")
     return doc
 
 

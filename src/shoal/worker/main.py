@@ -336,6 +336,12 @@ async def run_worker(
             model_control=serving.control_model,
         )
         serving.links.append(link)
+
+        async def until_answered() -> None:
+            """Every job ended here, and its final message written to the router."""
+            await runner.until_idle()
+            await outbox.until_answered()
+
         serves = the_plan.model.name if the_plan else "the router's default model"
         log.info(
             "worker %s (%s) serving %s, dialing %s",
@@ -346,9 +352,10 @@ async def run_worker(
         )
         try:
             async with asyncio.TaskGroup() as tg:
-                until = outbox.until_answered
                 timeout = settings.drain_timeout
-                tg.create_task(drain(stop, link, lambda: runner.running, until, timeout, worker_id))
+                tg.create_task(
+                    drain(stop, link, lambda: runner.running, until_answered, timeout, worker_id)
+                )
                 await _serve(serving, the_plan, text, link, tg, runner, session)
         except* Drained:
             pass

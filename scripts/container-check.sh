@@ -7,7 +7,7 @@
 #   3. the Kubernetes manifests' router and worker (deploy/kubernetes/overlays/cpu, rendered
 #      with `kubectl kustomize`) run as pods with `podman kube play` and answer too.
 #
-#   scripts/container-check.sh      # 2.5 min on 2 cores after a code change, caches warm
+#   scripts/container-check.sh      # 1-2.5 min on 2 busy cores after a code change, caches warm
 #
 # Not part of .ci/run (it builds images). Needs podman (installed with apt when missing, as
 # root), Redis on 127.0.0.1:6379 (or CHECK_REDIS_URL), a Python with the `openai` package

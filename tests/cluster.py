@@ -26,6 +26,9 @@ MODEL = "smollm2-135m-instruct"
 API_KEY = "sk-test-inference"
 GPU_KEY = "gpu-test-key"
 STARTUP_TIMEOUT_S = 60.0
+TEST_DRAIN_TIMEOUT_S = 2.0
+"""A test's worker drains on SIGTERM for this long at most (its own --drain-timeout wins):
+at teardown its router stops with it, and no job it still holds could be answered."""
 
 
 def free_port() -> int:
@@ -262,6 +265,7 @@ class Cluster:
         """A worker of the default model (with ``model``); ``threads`` None gives no
         ``--threads``, so the worker decides."""
         env = {**(clean_env(SHOAL_GPU_KEY=gpu_key) if gpu_key else clean_env()), **(env or {})}
+        env.setdefault("SHOAL_DRAIN_TIMEOUT", str(TEST_DRAIN_TIMEOUT_S))
         argv = [
             "--router-url",
             router.url if router.ca else f"127.0.0.1:{router.port}",
@@ -297,7 +301,9 @@ class Cluster:
         argv += ["--llama-server-path", str(self.llama_server)]
         if model:
             argv += ["--model", str(self.model_path), "--model-alias", MODEL]
-        return self._proc("worker", [*argv, *args], clean_env())
+        return self._proc(
+            "worker", [*argv, *args], clean_env(SHOAL_DRAIN_TIMEOUT=str(TEST_DRAIN_TIMEOUT_S))
+        )
 
     def stop_all(self, timeout: float = 15.0) -> None:
         """SIGTERM to every process at once, then wait for each (SIGKILL past ``timeout``):

@@ -19,12 +19,26 @@ from starlette.responses import Response
 log = logging.getLogger(__name__)
 
 
+_TYPES = {403: "permission_error", 429: "rate_limit_error", 503: "unavailable_error"}
+
+
+def error_type(status: int) -> str:
+    """The error ``type`` that goes with an HTTP status, as OpenAI's API names them."""
+    return _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+
 class ApiError(Exception):
     status = 500
     type = "server_error"
+    """Follows ``status`` (``error_type``) unless a subclass names its own."""
     code: str | int | None = None
     """A string of ours; a number when an error of a backend passes through (llama-server's
     ``code`` is its HTTP status, as OpenAI's own errors carry it)."""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "type" not in cls.__dict__:
+            cls.type = error_type(cls.status)
 
     def __init__(
         self,
@@ -47,7 +61,6 @@ class ApiError(Exception):
 
 class BadRequest(ApiError):
     status = 400
-    type = "invalid_request_error"
 
 
 def error_payload(exc: ApiError) -> dict[str, object]:

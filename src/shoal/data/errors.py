@@ -20,7 +20,6 @@ class DataError(ApiError):
 
 class BadRequest(DataError):
     status = 400
-    type = "invalid_request_error"
 
 
 class NotGGUF(BadRequest):
@@ -33,43 +32,36 @@ class ChecksumMismatch(BadRequest):
 
 class Unauthorized(DataError):
     status = 401
-    type = "invalid_request_error"
     code = "invalid_api_key"
 
 
 class UploadsDisabled(DataError):
     status = 403
-    type = "permission_error"
     code = "uploads_disabled"
 
 
 class ModelNotFound(DataError):
     status = 404
-    type = "invalid_request_error"
     code = "model_not_found"
 
 
 class ModelExists(DataError):
     status = 409
-    type = "invalid_request_error"
     code = "model_exists"
 
 
 class ModelChanged(DataError):
     status = 409
-    type = "invalid_request_error"
     code = "model_changed"
 
 
 class TooLarge(DataError):
     status = 413
-    type = "invalid_request_error"
     code = "upload_too_large"
 
 
 class RangeNotSatisfiable(DataError):
     status = 416
-    type = "invalid_request_error"
     code = "range_not_satisfiable"
 
 

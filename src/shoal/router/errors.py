@@ -29,18 +29,15 @@ class RouterError(ApiError):
 
 class BadRequest(RouterError):
     status = 400
-    type = "invalid_request_error"
 
 
 class Unauthorized(RouterError):
     status = 401
-    type = "invalid_request_error"
     code = "invalid_api_key"
 
 
 class Forbidden(RouterError):
     status = 403
-    type = "permission_error"
     code = "forbidden"
 
 
@@ -48,13 +45,11 @@ class RateLimitExceeded(RouterError):
     """A key's requests/min, tokens/min or concurrent-stream limit; headers say when to retry."""
 
     status = 429
-    type = "rate_limit_error"
     code = "rate_limit_exceeded"
 
 
 class NotFound(RouterError):
     status = 404
-    type = "invalid_request_error"
     code = "not_found"
 
 
@@ -64,37 +59,31 @@ class ModelNotFound(NotFound):
 
 class Conflict(RouterError):
     status = 409
-    type = "invalid_request_error"
     code = "conflict"
 
 
 class PayloadTooLarge(RouterError):
     status = 413
-    type = "invalid_request_error"
     code = "request_too_large"
 
 
 class QueueFull(RouterError):
     status = 429
-    type = "rate_limit_error"
     code = "queue_full"
 
 
 class Unavailable(RouterError):
     status = 503
-    type = "unavailable_error"
     code = "no_worker_available"
 
 
 class WorkerLost(RouterError):
     status = 502
-    type = "server_error"
     code = "worker_lost"
 
 
 class JobTimedOut(RouterError):
     status = 504
-    type = "server_error"
     code = "job_timeout"
 
     def __init__(self, limit: float) -> None:

@@ -202,6 +202,19 @@ class NoShards:
         log.warning("the router sent %s, but %s", msg.type, self.reason)
 
 
+def _honour_lost_cancel() -> None:
+    """Raise ``CancelledError`` if this task was told to stop and the request got lost.
+
+    On Python 3.11 a TaskGroup whose child fails just as its task is cancelled from outside
+    (the router closes the connection at the moment the worker's drain ends and stops it)
+    raises the child's error and drops the cancellation: the link would dial on forever.
+    The request is still counted (``Task.cancelling``), so it is honoured here.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 class RouterLink:
     def __init__(
         self,
@@ -291,6 +304,7 @@ class RouterLink:
                 failure = exc
             finally:
                 self._detach()
+            _honour_lost_cancel()
             if time.monotonic() - connected > STABLE_AFTER_S:
                 attempt = 0
             delay = self.backoff.failover_delay(attempt, len(self.routers.urls))

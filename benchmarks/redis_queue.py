@@ -38,14 +38,14 @@ import uvloop
 from common import median, pct, print_table, write_json
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "src"))
+from shoal.jobs.events import Data, Done, OutputEvent, is_final  # noqa: E402
 from shoal.protocol.ids import JobId, ModelName, new_job_id  # noqa: E402
 from shoal.protocol.messages import Endpoint  # noqa: E402
-from shoal.queue.events import Data, Done, OutputEvent, is_final  # noqa: E402
-from shoal.queue.redis_claimed import Claimed  # noqa: E402
-from shoal.queue.redis_keys import RedisKeys  # noqa: E402
-from shoal.queue.redis_streams import RedisJobQueue  # noqa: E402
-from shoal.queue.redis_support import QueuedJob  # noqa: E402
-from shoal.queue.redis_tail import OutputTail  # noqa: E402
+from shoal.redis_queue.claimed import Claimed  # noqa: E402
+from shoal.redis_queue.keys import RedisKeys  # noqa: E402
+from shoal.redis_queue.streams import RedisJobQueue  # noqa: E402
+from shoal.redis_queue.support import QueuedJob  # noqa: E402
+from shoal.redis_queue.tail import OutputTail  # noqa: E402
 
 MODEL = ModelName("bench")
 KEY = (MODEL, Endpoint.CHAT)

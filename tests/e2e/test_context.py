@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from cluster import API_KEY, MODEL, Cluster, Proc, Router, iter_sse
-from shoal.queue.failure import CONTEXT_REFUSALS
+from shoal.jobs.failure import CONTEXT_REFUSALS
 
 pytestmark = pytest.mark.e2e
 

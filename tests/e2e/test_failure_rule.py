@@ -1,5 +1,5 @@
 """The same fault gives the same outcome whichever holds the job: a router (in-process, or
-through Redis) for its worker, or a pull worker for itself (``queue/failure.py``, the one
+through Redis) for its worker, or a pull worker for itself (``jobs/failure.py``, the one
 rule). The fault: the worker's llama-server SIGKILLed mid-answer, with ``--resume-attempts
 0`` so that the answer cannot go on elsewhere. Temperature 0 with ``ignore_eos``: an answer
 run again is the uninterrupted one."""

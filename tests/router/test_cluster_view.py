@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 from socketless import worker_connection
 
+from shoal.jobs import events
 from shoal.protocol.ids import ModelName, WorkerId
 from shoal.protocol.messages import (
     PROTOCOL_VERSION,
@@ -34,9 +35,8 @@ from shoal.protocol.messages import (
 )
 from shoal.protocol.prefix import prefix_chain
 from shoal.protocol.telemetry import GpuSample
-from shoal.queue import events
-from shoal.queue.redis_keys import RedisKeys
-from shoal.queue.redis_streams import RedisJobQueue
+from shoal.redis_queue.keys import RedisKeys
+from shoal.redis_queue.streams import RedisJobQueue
 from shoal.router.app import build_app
 from shoal.router.dispatch.interface import Dispatcher
 from shoal.router.dispatch.job import Job, Submission

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from socketless import memory_dispatcher, worker_connection
 
+from shoal.jobs.events import ClientEvent, Failed, Requeued
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import (
     Continuation,
@@ -18,7 +19,6 @@ from shoal.protocol.messages import (
     RunningJob,
     decode_router_message,
 )
-from shoal.queue.events import ClientEvent, Failed, Requeued
 from shoal.router.dispatch.fair_queue import Tenant
 from shoal.router.dispatch.interface import Dispatcher
 from shoal.router.dispatch.job import Job, JobState, Submission

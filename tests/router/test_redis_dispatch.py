@@ -15,6 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 from socketless import worker_connection
 
+from shoal.jobs.events import Data, Done, Requeued, Result
 from shoal.keys.records import Queueing
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import (
@@ -32,7 +33,6 @@ from shoal.protocol.messages import (
     RunningJob,
     decode_router_message,
 )
-from shoal.queue.events import Data, Done, Requeued, Result
 from shoal.router.async_jobs.memory_store import MemoryJobStore
 from shoal.router.async_jobs.records import JobStatus, JobType
 from shoal.router.async_jobs.runner import dispatcher_runner

@@ -13,7 +13,7 @@ from socketless import worker_connection
 
 from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import BackendState, Endpoint, ModelInfo
-from shoal.queue.redis_keys import worker_key
+from shoal.redis_queue.keys import worker_key
 from shoal.router.dispatch.directory import WorkerDirectory
 from shoal.router.workers import Registry
 

@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cluster import plain_llama_server
+from shoal.jobs.answer import AnswerSoFar
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import (
     Continuation,
@@ -24,7 +25,6 @@ from shoal.protocol.messages import (
     JobResult,
     JobStart,
 )
-from shoal.queue.answer import AnswerSoFar
 from shoal.worker.backend import Backend, BackendTarget
 from shoal.worker.continuation import (
     NotResumable,

@@ -9,7 +9,7 @@ import asyncio
 import orjson
 import redis.asyncio as aioredis
 
-from shoal.queue.redis_keys import worker_key
+from shoal.redis_queue.keys import worker_key
 from shoal.worker.redis_presence import PUSH_GAP_S, Presence
 
 

@@ -22,12 +22,12 @@ from pydantic import SecretStr
 from cluster import MODEL
 from redis_server import own_redis_server
 from shoal.hardware.profile import MachineProfile
+from shoal.jobs import events
 from shoal.protocol.ids import JobId, ModelName, new_job_id
 from shoal.protocol.messages import BackendState, Endpoint, ModelInfo
-from shoal.queue import events
-from shoal.queue.redis_keys import worker_index_key, worker_key
-from shoal.queue.redis_streams import RedisJobQueue
-from shoal.queue.redis_support import JobStatus, QueuedJob, text
+from shoal.redis_queue.keys import worker_index_key, worker_key
+from shoal.redis_queue.streams import RedisJobQueue
+from shoal.redis_queue.support import JobStatus, QueuedJob, text
 from shoal.router.dispatch.directory import parse_remote
 from shoal.worker.drain import Drain
 from shoal.worker.hardware import detect_profile
@@ -270,7 +270,7 @@ async def test_listed_in_the_worker_list_while_running(
         assert remote.summary["connection"] == CONNECTION
         assert remote.summary["slots"] == 1 and remote.summary["name"] == "listed"
         assert remote.summary["hardware"]["cpu_count"] > 0
-        # A job is held for it by the name it claims under (``queue/redis_claim.py``).
+        # A job is held for it by the name it claims under (``redis_queue/claim.py``).
         assert remote.claimer == consumer_name(worker_id)
     assert not await redis_client.exists(key)
     assert not await redis_client.sismember(index, worker_id)

@@ -262,7 +262,7 @@ def build_dispatcher(
         socket_timeout=QUEUE_SOCKET_TIMEOUT_S,
         socket_connect_timeout=REDIS_TIMEOUT_S,
         # A pooled connection a Redis restart broke is replaced at once, not taken for a
-        # new outage (every queue call is idempotent; see ``redis_scripts``).
+        # new outage (every queue call is idempotent; see ``redis_queue.scripts``).
         retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
     )
     return RedisDispatcher(settings, registry, queue_redis, metrics, name=name, away=away)

@@ -7,7 +7,7 @@ what the scripts return); each decision is one atomic Lua script, run with ``EVA
 * **One clock.** The scripts read Redis's ``TIME``, so routers whose clocks disagree still
   share one window: no router can admit early or late because its clock is off. (Redis 7
   replicates script effects, so reading ``TIME`` before writing is allowed.)
-* **Keys** are named in ``queue/redis_keys.rate_limit_keys``: ``{prefix}rl:{<key_id>}:req``
+* **Keys** are named in ``redis_queue/keys.rate_limit_keys``: ``{prefix}rl:{<key_id>}:req``
   (a sorted set of requests scored by when they leave the window), ``...:tok`` (the GCRA
   ``tat``) and ``...:streams`` (stream slots). The braces are a Redis Cluster hash tag, so
   a key's three names share a slot and one script may touch them all. Every write sets a
@@ -45,7 +45,7 @@ import redis.exceptions
 from redis.commands.core import AsyncScript
 from redis.typing import EncodableT
 
-from shoal.queue.redis_keys import rate_limit_keys
+from shoal.redis_queue.keys import rate_limit_keys
 from shoal.router.ratelimit import (
     WINDOW_S,
     Admission,
@@ -220,7 +220,7 @@ class RedisRateLimiter:
         self._retry_at = -math.inf
 
     def keys(self, key_id: str) -> RateLimitKeys:
-        """Every Redis key name this limiter uses (named in ``queue/redis_keys``)."""
+        """Every Redis key name this limiter uses (named in ``redis_queue/keys``)."""
         req, tok, streams = rate_limit_keys(self.prefix, key_id)
         return RateLimitKeys(req=req, tok=tok, streams=streams)
 

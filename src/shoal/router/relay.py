@@ -17,8 +17,8 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from shoal.jobs.events import ClientEvent, Data, Done, Failed, Requeued, Result, worker_lost
 from shoal.protocol.messages import ErrorBody
-from shoal.queue.events import ClientEvent, Data, Done, Failed, Requeued, Result, worker_lost
 from shoal.router.accounting import Accounting, Ticket
 from shoal.router.dispatch.interface import Dispatcher
 from shoal.router.dispatch.job import Job

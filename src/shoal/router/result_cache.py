@@ -51,7 +51,7 @@ import redis.exceptions
 from starlette.responses import Response
 
 from shoal.protocol.messages import Endpoint
-from shoal.queue.redis_keys import cache_entry_key
+from shoal.redis_queue.keys import cache_entry_key
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """A pull worker's entry in the cluster's worker list, so every router lists it.
 
 Routers on one Redis share their workers through one hash per worker
-(``redis_keys.worker_key``: fields ``router``, the router holding it, and ``summary``, the
+(``redis_queue.keys.worker_key``: fields ``router``, the router holding it, and ``summary``, the
 JSON ``/api/v1/workers`` shows), with a TTL, its id in the ``worker_index_key`` set (see
 ``shoal.router.dispatch.directory``). A pull worker has no router: it writes its own hash, with
 ``router`` = ``PULL_HOLDER`` and ``"connection": "redis-pull"`` in the summary, every
@@ -12,7 +12,7 @@ drops out of the list); it deletes it when it stops.
 
 Its summary names the consumer it claims jobs under (``"consumer"``): a router whose
 request's prefix this worker's slots hold holds the job for that name in Redis
-(``router.dispatch.scheduler.hold_for``, ``queue/redis_claim.py``), as it does for a router.
+(``router.dispatch.scheduler.hold_for``, ``redis_queue/claim.py``), as it does for a router.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import redis.asyncio as aioredis
 
 from shoal.protocol.messages import Register
 from shoal.protocol.telemetry import GpuSample
-from shoal.queue.redis_keys import worker_index_key, worker_key
-from shoal.queue.redis_support import REDIS_DOWN, OutageLog, raise_if_cancelled
+from shoal.redis_queue.keys import worker_index_key, worker_key
+from shoal.redis_queue.support import REDIS_DOWN, OutageLog, raise_if_cancelled
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,11 @@ context per slot (the claim's ``limits``); one whose prompt llama-server refused
 too long goes back needing more, for a worker with a larger context (the client's router
 answers the 400 if there is none). A periodic ``sweep`` puts back the jobs of holders that
 died (a killed pull worker, a dead router). Publishing, renewals, cancellations and sweeps are
-``queue.redis_consumer.ConsumerLoops``, shared with the router's ``Holder``.
+``redis_queue.consumer.ConsumerLoops``, shared with the router's ``Holder``.
 
 Its entry in the worker list (``redis_presence``) names its consumer and what its slots hold,
 so a router whose request's prefix this worker holds (with a slot free) holds the job for it
-in Redis (``queue/redis_claim.py``): this worker's claim takes it at once (woken by its
+in Redis (``redis_queue/claim.py``): this worker's claim takes it at once (woken by its
 arrival), every other claimer passes it over until the hold ends.
 
 During a Redis outage the jobs held keep running; a publish that still fails after the
@@ -48,6 +48,9 @@ from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 
+from shoal.jobs import events
+from shoal.jobs.answer import AnswerSoFar, trail_of
+from shoal.jobs.failure import Next, Sent, after_failure, failure_of
 from shoal.lifecycle import Lifecycle, Transitions
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import (
@@ -60,13 +63,10 @@ from shoal.protocol.messages import (
     ModelInfo,
     Register,
 )
-from shoal.queue import events
-from shoal.queue.answer import AnswerSoFar, trail_of
-from shoal.queue.failure import Next, Sent, after_failure, failure_of
-from shoal.queue.redis_claimed import Claimed
-from shoal.queue.redis_consumer import ConsumerLoops, GiveBack, Outgoing
-from shoal.queue.redis_streams import LEASE_MS, RedisJobQueue
-from shoal.queue.redis_support import REDIS_DOWN, RETRY_MAX_DELAY_S, raise_if_cancelled
+from shoal.redis_queue.claimed import Claimed
+from shoal.redis_queue.consumer import ConsumerLoops, GiveBack, Outgoing
+from shoal.redis_queue.streams import LEASE_MS, RedisJobQueue
+from shoal.redis_queue.support import REDIS_DOWN, RETRY_MAX_DELAY_S, raise_if_cancelled
 from shoal.worker.backoff import Backoff
 from shoal.worker.hardware import MemoryProbe
 from shoal.worker.redis_presence import Presence, Summary, summary

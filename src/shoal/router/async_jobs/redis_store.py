@@ -25,7 +25,7 @@ import orjson
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from shoal.queue.redis_keys import async_job_cancel_channel, async_job_key
+from shoal.redis_queue.keys import async_job_cancel_channel, async_job_key
 from shoal.router.async_jobs.records import ALLOWED, AsyncJobId, JobRecord, JobStatus, JobType
 from shoal.router.async_jobs.store import DEFAULT_JOB_TTL_S, Cancellation, JobStoreUnavailable
 

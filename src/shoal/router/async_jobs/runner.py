@@ -16,9 +16,9 @@ from typing import Any
 
 import orjson
 
+from shoal.jobs.events import Data, Done, Failed, Requeued, Result
 from shoal.protocol.ids import ModelName
 from shoal.protocol.images import COMPLETED_TYPE, PROGRESS_TYPE
-from shoal.queue.events import Data, Done, Failed, Requeued, Result
 from shoal.router.async_jobs.service import (
     RunFailed,
     Runner,

@@ -3,11 +3,11 @@
 Deployments are stored in the shared database, so every router knows them all; but a
 deployment's shards are started through the WebSockets of the workers that hold them, so one
 router must run it: the one holding its **lease**, a Redis key naming the router
-(``redis_keys.deployment_lease_key``: ``shoal:deploy:NAME`` with the default prefix), with a
+(``redis_queue.keys.deployment_lease_key``: ``shoal:deploy:NAME`` with the default prefix), with a
 time to live that its holder renews. A router takes a free lease only for a deployment that
 fits on its own workers, gives it back when it no longer fits there, and loses it when it
 stops renewing (a dead router's deployments move on after ``ttl``). The holder also
-publishes its view of the deployment (``status``, ``redis_keys.deployment_view_key``), so
+publishes its view of the deployment (``status``, ``redis_queue.keys.deployment_view_key``), so
 every router answers ``/api/v1/pipeline/status`` and knows whether requests for the model
 can be served.
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from shoal.queue.redis_keys import deployment_lease_key, deployment_view_key
+from shoal.redis_queue.keys import deployment_lease_key, deployment_view_key
 
 # KEYS[1] lease; ARGV[1] router, ARGV[2] ttl ms. -> the holder after the call.
 _HOLD = """

@@ -18,7 +18,7 @@ import time
 from typing import Any, Protocol
 
 from shoal.keys.errors import DatabaseError
-from shoal.queue.redis_support import REDIS_DOWN, OutageLog, raise_if_cancelled
+from shoal.redis_queue.support import REDIS_DOWN, OutageLog, raise_if_cancelled
 from shoal.router.deployments.deployment import Deployment, DeploymentSpec, DeploymentState
 from shoal.router.deployments.leases import DeploymentLeases, Held
 

@@ -9,7 +9,7 @@
 * ``interface.py``: ``Dispatcher``, what routes and the composition root may ask.
 * ``memory.py`` / ``redis_queue.py``: the two siblings; each holds only what differs: where
   jobs wait and how their output travels back.
-* ``job.py``: a job's state machine. Its outcome events are ``shoal.queue.events``, the one
+* ``job.py``: a job's state machine. Its outcome events are ``shoal.jobs.events``, the one
   vocabulary for them here and on the Redis queue.
 * ``running.py``: jobs running on this router's workers; the requeue rules.
 * ``worker_side.py``: the workers' frames, routed the same way for both.

@@ -1,6 +1,6 @@
 """The cluster's worker list, shared by every router on one Redis.
 
-Each router writes a hash per worker connected to it (``redis_keys.worker_key``: its
+Each router writes a hash per worker connected to it (``redis_queue.keys.worker_key``: its
 ``summary`` as JSON, with the prefix blocks its slots hold, and the ``router`` holding
 it), with a TTL it refreshes every sync, and deletes it when the worker disconnects; a
 router that dies leaves hashes that expire. Each sync also reads every worker hash (through
@@ -35,8 +35,8 @@ import redis.asyncio as aioredis
 
 from shoal.protocol.ids import ModelName, WorkerId
 from shoal.protocol.messages import BackendState, Endpoint, ModelInfo
-from shoal.queue.redis_keys import worker_index_key, worker_key
-from shoal.queue.redis_support import (
+from shoal.redis_queue.keys import worker_index_key, worker_key
+from shoal.redis_queue.support import (
     REDIS_DOWN,
     RETRY_MAX_DELAY_S,
     OutageLog,

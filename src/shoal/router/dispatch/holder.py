@@ -10,7 +10,7 @@ called), then the worker's frames become output events, published in one round t
 batch (whatever arrived while the previous publish was in flight). Leases are renewed every
 ``renew_interval_s``; cancellations from any router reach the worker as ``JobCancel``. Those
 loops (publishing, renewals, cancellations, sweeps) are
-``queue.redis_consumer.ConsumerLoops``, the same a pull-mode worker runs; this class says
+``redis_queue.consumer.ConsumerLoops``, the same a pull-mode worker runs; this class says
 what it holds and how to stop a job.
 
 A job whose run failed, or whose worker was lost, goes back to its queue to run again or to
@@ -37,14 +37,14 @@ import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from shoal.jobs.answer import AnswerSoFar, trail_of
+from shoal.jobs.events import Assigned, OutputEvent
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import Continuation, Endpoint, JobCancel, JobResume, RunningJob
-from shoal.queue.answer import AnswerSoFar, trail_of
-from shoal.queue.events import Assigned, OutputEvent
-from shoal.queue.redis_claimed import Claimed
-from shoal.queue.redis_consumer import ConsumerLoops, GiveBack
-from shoal.queue.redis_streams import RedisJobQueue
-from shoal.queue.redis_support import REDIS_DOWN, raise_if_cancelled
+from shoal.redis_queue.claimed import Claimed
+from shoal.redis_queue.consumer import ConsumerLoops, GiveBack
+from shoal.redis_queue.streams import RedisJobQueue
+from shoal.redis_queue.support import REDIS_DOWN, raise_if_cancelled
 from shoal.router.dispatch.job import Job
 from shoal.router.dispatch.running import Running
 from shoal.router.dispatch.scheduler import claim_limit

@@ -9,7 +9,7 @@
 ``ALLOWED`` is that diagram as a table (``shoal.lifecycle``); any other move raises
 ``IllegalTransition``.
 
-The HTTP handler reads ``Job.events``: the outcome events of ``shoal.queue.events`` (the one
+The HTTP handler reads ``Job.events``: the outcome events of ``shoal.jobs.events`` (the one
 vocabulary for a job's outcome, in this router and on the Redis queue), which ``output.py``
 delivers for either dispatcher.
 """
@@ -23,10 +23,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal.jobs.events import ClientEvent
 from shoal.lifecycle import Transitions
 from shoal.protocol.ids import JobId, ModelName, WorkerId, new_job_id
 from shoal.protocol.messages import Continuation, Endpoint
-from shoal.queue.events import ClientEvent
 from shoal.router.dispatch.fair_queue import ANONYMOUS, Tenant, estimated_work
 
 log = logging.getLogger(__name__)

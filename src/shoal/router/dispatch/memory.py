@@ -12,10 +12,10 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 
+from shoal.jobs.answer import AnswerSoFar
+from shoal.jobs.events import Failed, OutputEvent
 from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import Continuation, Endpoint
-from shoal.queue.answer import AnswerSoFar
-from shoal.queue.events import Failed, OutputEvent
 from shoal.router.dispatch import answers, places
 from shoal.router.dispatch.answers import UnavailableReason
 from shoal.router.dispatch.directory import RemoteWorker

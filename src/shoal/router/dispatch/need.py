@@ -5,7 +5,7 @@ error``, 400), and an answer stops when the slot is full. So the router places a
 where its prompt and the tokens it asks for (``max_tokens``, ``max_completion_tokens`` or
 ``n_predict``; without any, llama-server generates until the slot is full, so the prompt and
 one token) fit: ``WorkerLoad.fits`` in ``scheduler.pick_worker``, and with Redis the claim's
-limit (``queue/redis_claim.py``). The router has no tokenizer, so it has two numbers for a
+limit (``redis_queue/claim.py``). The router has no tokenizer, so it has two numbers for a
 prompt, for two different decisions:
 
 * a **bound** (``Need.floor``): fewer tokens than this no prompt of these bytes can be,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from shoal.queue.events import Data, Failed, OutputEvent, Requeued
+from shoal.jobs.events import Data, Failed, OutputEvent, Requeued
 from shoal.router.dispatch.job import Job, JobState
 from shoal.router.metrics import Metrics
 

@@ -21,7 +21,7 @@ the dashboard).
 
 Fair scheduling: each job is enqueued with its key's share (``Share``: the tenant, weight,
 class, estimated work, ``--scheduling`` and ``max_queued``), and Redis orders the waiting
-jobs by start tag for every router and pull-mode worker (``queue.redis_streams``); a key
+jobs by start tag for every router and pull-mode worker (``redis_queue.streams``); a key
 over its ``max_queued`` jobs waiting anywhere gets the 429 ``key_queue_full``. ``settle``
 corrects the key's finish tag in Redis when a job ends. ``run_positions`` reads the places
 of this router's waiting jobs in one script call every ``POSITIONS_INTERVAL_S`` (only while
@@ -44,12 +44,12 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
+from shoal.jobs import events
 from shoal.protocol.ids import JobId, ModelName, WorkerId
 from shoal.protocol.messages import Endpoint, ErrorBody
 from shoal.protocol.prefix import prefix_chain
-from shoal.queue import events
-from shoal.queue.redis_streams import RedisJobQueue
-from shoal.queue.redis_support import (
+from shoal.redis_queue.streams import RedisJobQueue
+from shoal.redis_queue.support import (
     REDIS_DOWN,
     JobGone,
     KeyQueueFull,
@@ -58,8 +58,8 @@ from shoal.queue.redis_support import (
     Share,
     raise_if_cancelled,
 )
-from shoal.queue.redis_support import QueueFull as RedisQueueFull
-from shoal.queue.redis_tail import OutputTail
+from shoal.redis_queue.support import QueueFull as RedisQueueFull
+from shoal.redis_queue.tail import OutputTail
 from shoal.router.dispatch import answers, places
 from shoal.router.dispatch.answers import UnavailableReason
 from shoal.router.dispatch.directory import RemoteWorker, WorkerDirectory

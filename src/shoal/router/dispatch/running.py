@@ -37,6 +37,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Generic, Protocol, TypeVar
 
+from shoal.jobs.answer import AnswerSoFar
+from shoal.jobs.events import Data, Failed, OutputEvent, from_worker, worker_lost
+from shoal.jobs.failure import Failure, Next, Sent, after_failure, failure_of
 from shoal.protocol.ids import JobId
 from shoal.protocol.messages import (
     Continuation,
@@ -48,9 +51,6 @@ from shoal.protocol.messages import (
     JobStart,
 )
 from shoal.protocol.prefix import held_blocks, prefix_chain
-from shoal.queue.answer import AnswerSoFar
-from shoal.queue.events import Data, Failed, OutputEvent, from_worker, worker_lost
-from shoal.queue.failure import Failure, Next, Sent, after_failure, failure_of
 from shoal.router.dispatch.fair_queue import Priority
 from shoal.router.dispatch.job import Job, JobState
 from shoal.router.dispatch.preemption import MIN_TOKENS, RunningJob, WaitingJob, choose_victim

@@ -16,7 +16,7 @@ answer short. A worker that does not say its context (an attached backend) is on
 
 With several routers on one Redis, ``hold_for`` names the router whose worker
 ``pick_worker`` would choose over the whole cluster, when that worker holds enough of the
-prefix to be worth a short wait in Redis (``queue/redis_claim.py``).
+prefix to be worth a short wait in Redis (``redis_queue/claim.py``).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def hold_for(
 
 def claim_limit(workers: Iterable[WorkerLoad], model: ModelName, endpoint: Endpoint) -> int:
     """With Redis: the most tokens of context a job of ``model`` for ``endpoint`` claimed for
-    ``workers`` may need (``queue/redis_claim.py``): the largest context per slot of the
+    ``workers`` may need (``redis_queue/claim.py``): the largest context per slot of the
     ready ones serving it with a free slot (else of all the ready ones serving it: a job
     claimed waits here for one of them); 0 (any) when one of them does not say its context.
 

@@ -18,8 +18,8 @@ from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from shoal.jobs.events import Failed, Requeued, Result
 from shoal.protocol.messages import Endpoint
-from shoal.queue.events import Failed, Requeued, Result
 from shoal.router.context import RouterContext, context
 from shoal.router.errors import BadRequest, RouterError, UpstreamError
 from shoal.router.image_requests import (

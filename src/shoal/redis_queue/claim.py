@@ -5,7 +5,7 @@ With several routers on one Redis, the router a request reached knows (from the 
 directory) which worker already holds the request's prefix in its llama-server
 (``router.dispatch.scheduler.hold_for``). It enqueues the job held for the consumer that
 claims that worker's jobs: its router, or a pull worker itself (the job hash's ``for``, a
-consumer name, and ``until``, Redis time in ms: ``ENQUEUE`` in ``redis_scripts``). ``TAKE``
+consumer name, and ``until``, Redis time in ms: ``ENQUEUE`` in ``scripts``). ``TAKE``
 passes over a job held for another consumer until its hold ends, and takes the next one, so
 a job waits only a short, bounded time for the consumer that can answer it from cache, and
 never waits behind another's claim loop: the consumer it is held for takes it as soon as it
@@ -22,7 +22,7 @@ claimer one look, at most ``HELD_SCAN`` of them per class.
 
 from __future__ import annotations
 
-from shoal.queue.redis_scripts import PRELUDE
+from shoal.redis_queue.scripts import PRELUDE
 
 TAKE = (
     PRELUDE

@@ -40,7 +40,7 @@ The two holders used to disagree on two cases, now decided so:
   then 4) already did so.
 
 A lease that runs out in Redis (the holder vanished without a word) is decided in Lua
-(``redis_leases.RECLAIM``): it can only see what was published, so a non-streamed job's
+(``redis_queue.leases.RECLAIM``): it can only see what was published, so a non-streamed job's
 progress counts there as nothing sent, and runs again.
 """
 
@@ -49,8 +49,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from shoal.jobs.answer import AnswerSoFar
 from shoal.protocol.messages import Endpoint, JobFailed
-from shoal.queue.answer import AnswerSoFar
 
 CONTEXT_REFUSALS = 3
 """Runs a job refused for its context may have beyond ``--max-requeues`` (rule 2): enough to

@@ -23,13 +23,13 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
+from shoal.jobs import events
 from shoal.protocol.ids import JobId
 from shoal.protocol.messages import Continuation
-from shoal.queue import events
-from shoal.queue.redis_claimed import Claimed
-from shoal.queue.redis_recovery import LOST_AFTER_START
-from shoal.queue.redis_streams import RedisJobQueue
-from shoal.queue.redis_support import REDIS_DOWN, RETRY_MAX_DELAY_S, Lease, raise_if_cancelled
+from shoal.redis_queue.claimed import Claimed
+from shoal.redis_queue.recovery import LOST_AFTER_START
+from shoal.redis_queue.streams import RedisJobQueue
+from shoal.redis_queue.support import REDIS_DOWN, RETRY_MAX_DELAY_S, Lease, raise_if_cancelled
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """A claimed job, and what the consumer holding it does under its lease.
 
-A claim (``RedisJobQueue.claim``, the ``TAKE`` script of ``redis_claim``), a take-over
+A claim (``RedisJobQueue.claim``, the ``TAKE`` script of ``claim``), a take-over
 (``reclaim``) or an adoption hands a consumer a ``Claimed``: the job, the entry of its
 queue's stream that is its lease, its attempt, and how far its output and its answer got.
 Its holder then takes each step with the job through ``Leases`` (one per consumer), one
-script of ``redis_leases`` per step: ``renew`` the leases, ``publish_many`` output
+script of ``leases`` per step: ``renew`` the leases, ``publish_many`` output
 (numbered, so a re-sent event is written once), ``ack`` a job that ended without a final
 event, give one back (``requeue``) or put it back to go on elsewhere from what the client
 has (``go_on``), and ``adopt`` a running job whose worker now answers through this consumer.
@@ -15,7 +15,7 @@ job never answers twice.
 Apart from ``RedisJobQueue`` because it is the other side of a job's life, its holder's:
 nothing here blocks, and every step acts on a job this consumer holds (or, ``adopt``,
 takes over), where the queue's act on jobs anyone may enqueue, count or cancel (the line
-``redis_leases`` draws from ``redis_scripts``). The queue's callers keep one object:
+``leases`` draws from ``scripts``). The queue's callers keep one object:
 ``RedisJobQueue``'s methods of the same names document these steps and pass through to
 ``Leases``.
 """
@@ -30,13 +30,13 @@ from typing import Any, Protocol
 import orjson
 from redis.typing import EncodableT
 
+from shoal.jobs import events
+from shoal.jobs.answer import AnswerSoFar, answer_of_trail
+from shoal.jobs.events import Assigned, Failed, Published, Requeued, Trail
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import Continuation, Endpoint, ErrorBody
-from shoal.queue import events
-from shoal.queue.answer import AnswerSoFar, answer_of_trail
-from shoal.queue.events import Assigned, Failed, Published, Requeued, Trail
-from shoal.queue.redis_calls import QueueCalls
-from shoal.queue.redis_support import LEASE_CODES, Lease, QueuedJob, text
+from shoal.redis_queue.calls import QueueCalls
+from shoal.redis_queue.support import LEASE_CODES, Lease, QueuedJob, text
 
 log = logging.getLogger(__name__)
 

@@ -5,14 +5,14 @@ Each step of a job's life is one atomic script. The steps of a job that waits ar
 ``ENQUEUE`` (it starts to wait, in fair order), ``POSITIONS`` (the places of waiting jobs),
 ``CANCEL`` (of a waiting job, or telling a running job's holder), ``SETTLE`` (a key's finish
 tag moved by the work a job did), ``COUNTS`` and ``WAITING`` (how many wait, per queue).
-Claiming is ``TAKE`` (``redis_claim``); what a job's holder does then, under its lease, is
-``redis_leases``. All of them share the job's state changes, written once in ``PRELUDE``
+Claiming is ``TAKE`` (``claim``); what a job's holder does then, under its lease, is
+``leases``. All of them share the job's state changes, written once in ``PRELUDE``
 (start or stop waiting, start running, finish), since a job goes back to wait from a lease
 and ends from either side.
 
 Every job script starts with ``PRELUDE``, which names the common arguments (ARGV[1..7]:
 group, consumer, job key prefix, output suffix, output MAXLEN, output TTL, finished TTL);
-a script's own arguments start at ARGV[8]. Key names come from ``redis_keys``: the queue
+a script's own arguments start at ARGV[8]. Key names come from ``keys``: the queue
 streams are passed in, job keys are the job key prefix plus an id read from Redis.
 
 Every script is safe to run twice with the same arguments (redis-py re-sends a command
@@ -31,10 +31,10 @@ Job states (the hash field ``state``)::
 A waiting job is a member of its queue's sorted set (``qr``, or ``qb`` for batch work not aged yet),
 scored by its start tag: start-time fair queueing between API keys, the same arithmetic as
 ``router/dispatch/fair_queue.py`` (checked against it with hypothesis in
-``tests/queue/test_redis_fairness.py``). ``enwait`` computes the tag as the job starts to wait;
-``TAKE`` (``redis_claim``) takes the smallest tag, moves the virtual time and gives the job a stream
-entry delivered to the claiming consumer in the same script: the lease. A queue entry lives from
-that claim until its job ends or goes back to wait (first in its class, as
+``tests/redis_queue/test_redis_fairness.py``). ``enwait`` computes the tag as the job starts to
+wait; ``TAKE`` (``claim``) takes the smallest tag, moves the virtual time and gives the job a
+stream entry delivered to the claiming consumer in the same script: the lease. A queue entry lives
+from that claim until its job ends or goes back to wait (first in its class, as
 ``FairQueue.push_front``), when it is deleted. Every count of waiting jobs (per queue, per key)
 changes in the same script as the job's state.
 """
@@ -183,7 +183,7 @@ ENQUEUE = (
 -- KEYS: job hash, queue stream, queue registry, ready, batch, aging, fair, wake, per-key
 -- counts. ARGV[8..]: max_len, job ttl, model, endpoint, stream flag, body, job id, key,
 -- weight, class, work, mode (fair|fifo), the key's max_queued (-1: none), the consumer it
--- is held for ('' none) and for how many ms (``redis_claim``), the tokens of context it
+-- is held for ('' none) and for how many ms (``claim``), the tokens of context it
 -- needs (0: any).
 -- Returns {1 added | 0 duplicate | -1 queue full | -2 key over its cap, depth or its count}.
 local depth = redis.call('XLEN', KEYS[2]) + redis.call('ZCARD', KEYS[4])

@@ -21,12 +21,12 @@ from typing import Any
 
 from redis.typing import EncodableT
 
+from shoal.jobs import events
+from shoal.jobs.events import Failed, Requeued
 from shoal.protocol.messages import ErrorBody
-from shoal.queue import events
-from shoal.queue.events import Failed, Requeued
-from shoal.queue.redis_calls import QueueCalls
-from shoal.queue.redis_keys import RedisKeys
-from shoal.queue.redis_support import Sweep, text
+from shoal.redis_queue.calls import QueueCalls
+from shoal.redis_queue.keys import RedisKeys
+from shoal.redis_queue.support import Sweep, text
 
 log = logging.getLogger(__name__)
 

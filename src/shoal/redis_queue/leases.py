@@ -1,7 +1,7 @@
 """The job queue's leases in Lua: what the consumer holding a job does with it, and taking a
 lease over.
 
-A claim (``TAKE``, ``redis_claim``) gives a job an entry of its queue's stream, delivered to
+A claim (``TAKE``, ``claim``) gives a job an entry of its queue's stream, delivered to
 the claiming consumer: that pending entry is the job's lease, and its idle time is how long
 its holder has not renewed it. Every script here first checks that the job's hash still
 names this consumer (``owner``) and that entry, so a holder whose lease was taken over while
@@ -16,9 +16,9 @@ it was away can no longer change the job, and only the lease's holder can end it
   that answered in part, with the continuation its next holder goes on from;
 * ``ADOPT`` takes a running job over from a holder whose worker now answers through this
   consumer; ``RECLAIM`` takes over the leases idle past their TTL, whose holder stopped
-  renewing (``redis_recovery``); ``PRUNE`` forgets consumers that hold no lease.
+  renewing (``recovery``); ``PRUNE`` forgets consumers that hold no lease.
 
-The waiting side (enqueue, places, cancel, counts) is ``redis_scripts``, apart from these
+The waiting side (enqueue, places, cancel, counts) is ``scripts``, apart from these
 because no lease fences it: anyone may enqueue, look or cancel. Every script here starts with
 its ``PRELUDE`` (the common arguments and the job's state changes), and the job states and
 the idempotence every script keeps are described there.
@@ -26,7 +26,7 @@ the idempotence every script keeps are described there.
 
 from __future__ import annotations
 
-from shoal.queue.redis_scripts import PRELUDE
+from shoal.redis_queue.scripts import PRELUDE
 
 RECLAIM = (
     PRELUDE

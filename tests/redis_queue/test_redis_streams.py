@@ -26,10 +26,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from redis_server import OwnRedis, free_port, own_redis_server
-from shoal.protocol.ids import JobId, ModelName, new_job_id
-from shoal.protocol.messages import Continuation, Endpoint, ErrorBody
-from shoal.queue import events
-from shoal.queue.events import (
+from shoal.jobs import events
+from shoal.jobs.events import (
     Assigned,
     Data,
     Delivered,
@@ -40,11 +38,13 @@ from shoal.queue.events import (
     Result,
     Trail,
 )
-from shoal.queue.redis_claimed import Claimed
-from shoal.queue.redis_consumer import coalesce
-from shoal.queue.redis_keys import GROUP, RedisKeys
-from shoal.queue.redis_streams import RedisJobQueue
-from shoal.queue.redis_support import (
+from shoal.protocol.ids import JobId, ModelName, new_job_id
+from shoal.protocol.messages import Continuation, Endpoint, ErrorBody
+from shoal.redis_queue.claimed import Claimed
+from shoal.redis_queue.consumer import coalesce
+from shoal.redis_queue.keys import GROUP, RedisKeys
+from shoal.redis_queue.streams import RedisJobQueue
+from shoal.redis_queue.support import (
     JobGone,
     JobStatus,
     Lease,
@@ -54,7 +54,7 @@ from shoal.queue.redis_support import (
     Sweep,
     retrying,
 )
-from shoal.queue.redis_tail import OutputTail
+from shoal.redis_queue.tail import OutputTail
 
 MODEL = ModelName("tiny")
 CHAT = (MODEL, Endpoint.CHAT)
@@ -589,7 +589,7 @@ async def test_no_take_over_within_a_lease_of_an_outage(
     logged = [
         r.getMessage()
         for r in caplog.records
-        if r.name.endswith("redis_support") and r.levelno > logging.DEBUG
+        if r.name.endswith("redis_queue.support") and r.levelno > logging.DEBUG
     ]
     assert len(logged) == 2, logged
     assert logged[0].startswith("Redis unreachable (sweep: ")

@@ -75,7 +75,7 @@ Job leases live in the stream's pending entries list: a holder renews a job by
 ``XCLAIM``-ing it to itself (``JUSTID``, which resets its idle time), and a job idle past the
 lease is taken over with ``XAUTOCLAIM``. There are no separate job lease keys.
 
-The Lua scripts (``redis_scripts``) build job keys from ids they read out of Redis, with
+The Lua scripts (``scripts``) build job keys from ids they read out of Redis, with
 ``job_key_prefix`` and ``OUT_SUFFIX`` from here, so the names above stay defined only in this
 module. This layout needs a single Redis (or a primary with replicas): the scripts touch keys
 of several jobs at once, which Redis Cluster does not allow.

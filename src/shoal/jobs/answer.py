@@ -13,8 +13,8 @@ from typing import Any
 
 import orjson
 
+from shoal.jobs.events import Trail
 from shoal.protocol.messages import Continuation, Endpoint
-from shoal.queue.events import Trail
 
 RESUMABLE = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
 PROGRESS = '{"progress":'

@@ -1,4 +1,4 @@
-"""Holds on claiming (``queue/redis_claim.py``) against the real Redis at 127.0.0.1:6379: a
+"""Holds on claiming (``redis_queue/claim.py``) against the real Redis at 127.0.0.1:6379: a
 job held for one consumer is passed over by the others until its hold ends, and no longer.
 
 Each test uses its own key prefix and deletes its keys afterwards; each queue has its own
@@ -17,12 +17,12 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import redis.asyncio as aioredis
 
+from shoal.jobs.events import Requeued
 from shoal.protocol.ids import ModelName, new_job_id
 from shoal.protocol.messages import Endpoint
-from shoal.queue.events import Requeued
-from shoal.queue.redis_keys import RedisKeys
-from shoal.queue.redis_streams import RedisJobQueue
-from shoal.queue.redis_support import QueuedJob
+from shoal.redis_queue.keys import RedisKeys
+from shoal.redis_queue.streams import RedisJobQueue
+from shoal.redis_queue.support import QueuedJob
 from shoal.worker.redis_pull import consumer_name
 
 CHAT = (ModelName("tiny"), Endpoint.CHAT)

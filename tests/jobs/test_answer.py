@@ -5,8 +5,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from shoal.jobs.answer import AnswerSoFar, answer_of_trail
 from shoal.protocol.messages import Continuation, Endpoint
-from shoal.queue.answer import AnswerSoFar, answer_of_trail
 
 HEAD = '{"id":"cmpl-7","created":5,"choices":[]}'
 

@@ -29,11 +29,11 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from shoal.jobs import events
+from shoal.jobs.events import Delivered
 from shoal.protocol.ids import JobId
-from shoal.queue import events
-from shoal.queue.events import Delivered
-from shoal.queue.redis_keys import OUT_TTL_MS, RedisKeys, check_name
-from shoal.queue.redis_support import (
+from shoal.redis_queue.keys import OUT_TTL_MS, RedisKeys, check_name
+from shoal.redis_queue.support import (
     REDIS_DOWN,
     RETRY_FIRST_DELAY_S,
     RETRY_MAX_DELAY_S,

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from shoal.protocol.ids import JobId, ModelName, new_job_id
 from shoal.protocol.messages import Endpoint
-from shoal.queue.redis_keys import RedisKeys
-from shoal.queue.redis_streams import BATCH_AGING_MS, RedisJobQueue
-from shoal.queue.redis_support import JobStatus, KeyQueueFull, QueuedJob, Share
+from shoal.redis_queue.keys import RedisKeys
+from shoal.redis_queue.streams import BATCH_AGING_MS, RedisJobQueue
+from shoal.redis_queue.support import JobStatus, KeyQueueFull, QueuedJob, Share
 from shoal.router.dispatch.fair_queue import BATCH_AGING_S, FairQueue, Priority, Tenant
 
 MODEL = ModelName("tiny")

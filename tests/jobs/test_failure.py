@@ -1,4 +1,4 @@
-"""queue/failure.py: what becomes of a job whose run failed, the one rule of a router's
+"""jobs/failure.py: what becomes of a job whose run failed, the one rule of a router's
 workers and a pull worker. A table of the cases (the two the holders used to disagree on
 among them), then every combination against the rule's properties."""
 
@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from shoal.jobs.answer import AnswerSoFar
+from shoal.jobs.failure import CONTEXT_REFUSALS, Failure, Next, Sent, after_failure, failure_of
 from shoal.protocol.ids import JobId
 from shoal.protocol.messages import Continuation, Endpoint, ErrorBody, JobFailed
-from shoal.queue.answer import AnswerSoFar
-from shoal.queue.failure import CONTEXT_REFUSALS, Failure, Next, Sent, after_failure, failure_of
 
 MAX_REQUEUES, RESUME_ATTEMPTS = 2, 2
 ERROR = ErrorBody(message="x", type="server_error")

@@ -1,11 +1,11 @@
 """How the Redis job queue talks to Redis: its Lua scripts by name, every call riding out an
 outage.
 
-Every script that works on jobs (``redis_scripts``' waiting side, ``redis_claim``'s ``TAKE``,
-``redis_leases``' holder side) takes the same leading arguments (the group, this consumer, the
+Every script that works on jobs (``scripts``' waiting side, ``claim``'s ``TAKE``,
+``leases``' holder side) takes the same leading arguments (the group, this consumer, the
 key prefixes, the output stream's limits); ``QueueCalls.run`` prepends them. Every call,
 scripted or not, goes through ``retry``: it is retried with backoff for ``outage_s`` while Redis
-is unreachable (``redis_support.retrying``), which is safe because each step is idempotent, and
+is unreachable (``support.retrying``), which is safe because each step is idempotent, and
 the outage is logged once (``OutageLog``).
 """
 
@@ -18,8 +18,8 @@ import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 from redis.typing import EncodableT
 
-from shoal.queue import redis_claim, redis_leases, redis_scripts
-from shoal.queue.redis_keys import (
+from shoal.redis_queue import claim, leases, scripts
+from shoal.redis_queue.keys import (
     FINISHED_TTL_MS,
     GROUP,
     OUT_MAXLEN,
@@ -27,26 +27,26 @@ from shoal.queue.redis_keys import (
     OUT_TTL_MS,
     RedisKeys,
 )
-from shoal.queue.redis_support import OutageLog, retrying
+from shoal.redis_queue.support import OutageLog, retrying
 
 T = TypeVar("T")
 
 SCRIPTS: Mapping[str, str] = {
-    "ENQUEUE": redis_scripts.ENQUEUE,
-    "POSITIONS": redis_scripts.POSITIONS,
-    "CANCEL": redis_scripts.CANCEL,
-    "TAKE": redis_claim.TAKE,
-    "RENEW": redis_leases.RENEW,
-    "PUBLISH": redis_leases.PUBLISH,
-    "ACK": redis_leases.ACK,
-    "GIVE_BACK": redis_leases.GIVE_BACK,
-    "GO_ON": redis_leases.GO_ON,
-    "ADOPT": redis_leases.ADOPT,
-    "RECLAIM": redis_leases.RECLAIM,
-    "PRUNE": redis_leases.PRUNE,
+    "ENQUEUE": scripts.ENQUEUE,
+    "POSITIONS": scripts.POSITIONS,
+    "CANCEL": scripts.CANCEL,
+    "TAKE": claim.TAKE,
+    "RENEW": leases.RENEW,
+    "PUBLISH": leases.PUBLISH,
+    "ACK": leases.ACK,
+    "GIVE_BACK": leases.GIVE_BACK,
+    "GO_ON": leases.GO_ON,
+    "ADOPT": leases.ADOPT,
+    "RECLAIM": leases.RECLAIM,
+    "PRUNE": leases.PRUNE,
 }
 """The scripts ``run`` calls by name (with the common arguments first): the waiting side
-(``redis_scripts``), the claim (``redis_claim``) and the holder's side (``redis_leases``).
+(``scripts``), the claim (``claim``) and the holder's side (``leases``).
 A name not listed here is a ``KeyError`` at the call, never a fallback."""
 
 

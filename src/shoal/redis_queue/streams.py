@@ -33,13 +33,13 @@ default of 5 s is, for the default 2 s).
 
 This class is the one object the queue's callers hold; what is not the queue itself lives
 beside it. A claimed job and the steps its holder takes under the lease (``renew``,
-``publish``, ``ack``, ``requeue``, ``go_on``, ``adopt``): ``redis_claimed``, whose ``Leases``
-the methods of those names pass to; take-overs (``reclaim``, ``sweep``): ``redis_recovery``.
-Key names: ``redis_keys``. The Lua scripts, called by name through ``redis_calls``:
-``redis_scripts`` (the waiting side: ``ENQUEUE``, ``POSITIONS``, ``CANCEL``, ``SETTLE``,
-``COUNTS``, ``WAITING``), ``redis_claim`` (``TAKE``, with holds for the consumer whose worker
-has a job's prefix) and ``redis_leases`` (the holder's, fenced by the lease). Outages:
-``redis_support``.
+``publish``, ``ack``, ``requeue``, ``go_on``, ``adopt``): ``claimed``, whose ``Leases``
+the methods of those names pass to; take-overs (``reclaim``, ``sweep``): ``recovery``.
+Key names: ``keys``. The Lua scripts, called by name through ``calls``:
+``scripts`` (the waiting side: ``ENQUEUE``, ``POSITIONS``, ``CANCEL``, ``SETTLE``,
+``COUNTS``, ``WAITING``), ``claim`` (``TAKE``, with holds for the consumer whose worker
+has a job's prefix) and ``leases`` (the holder's, fenced by the lease). Outages:
+``support``.
 """
 
 from __future__ import annotations
@@ -53,13 +53,14 @@ import orjson
 import redis.asyncio as aioredis
 from redis.typing import EncodableT
 
+from shoal.jobs import events
+from shoal.jobs.events import Delivered, Published
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import Continuation, Endpoint
-from shoal.queue import events, redis_scripts
-from shoal.queue.events import Delivered, Published
-from shoal.queue.redis_calls import QueueCalls
-from shoal.queue.redis_claimed import Claimed, Leases
-from shoal.queue.redis_keys import (
+from shoal.redis_queue import scripts
+from shoal.redis_queue.calls import QueueCalls
+from shoal.redis_queue.claimed import Claimed, Leases
+from shoal.redis_queue.keys import (
     CANCEL_SUFFIX,
     CANCELS_TTL_MS,
     JOB_TTL_MS,
@@ -67,8 +68,8 @@ from shoal.queue.redis_keys import (
     RedisKeys,
     check_name,
 )
-from shoal.queue.redis_recovery import RECLAIM_BATCH, Recovery
-from shoal.queue.redis_support import (
+from shoal.redis_queue.recovery import RECLAIM_BATCH, Recovery
+from shoal.redis_queue.support import (
     JobGone,
     JobStatus,
     KeyQueueFull,
@@ -128,9 +129,9 @@ class RedisJobQueue:
         )
         self._leases = Leases(self.calls, self.consumer)
         self._recovery = Recovery(self.calls, self.keys, self.consumer, lease_ms, resume_attempts)
-        self._counts = redis.register_script(redis_scripts.COUNTS)
-        self._waiting = redis.register_script(redis_scripts.WAITING)
-        self._settle = redis.register_script(redis_scripts.SETTLE)
+        self._counts = redis.register_script(scripts.COUNTS)
+        self._waiting = redis.register_script(scripts.WAITING)
+        self._settle = redis.register_script(scripts.SETTLE)
 
     @property
     def renew_interval_s(self) -> float:
@@ -154,7 +155,7 @@ class RedisJobQueue:
     ) -> bool:
         """Queue ``job`` for ``share``'s key; False if a job with its id is already queued
         (nothing changes). ``hold``: (consumer, ms) only that consumer may claim it for
-        those ms (``redis_claim``).
+        those ms (``claim``).
 
         Raises ``QueueFull`` when its queue already holds ``max_len`` waiting or running
         jobs, ``KeyQueueFull`` when the key has ``share.max_queued`` jobs waiting (anywhere).
@@ -348,7 +349,7 @@ class RedisJobQueue:
         )
         return bool(reply)
 
-    # the holder's steps under the lease: ``Leases`` (``redis_claimed``) takes them
+    # the holder's steps under the lease: ``Leases`` (``claimed``) takes them
 
     async def renew(self, claims: Sequence[Claimed]) -> dict[JobId, Lease]:
         """Extend the leases on jobs this consumer holds, in one round trip."""

@@ -3,7 +3,7 @@
 **When Redis is down** every queue call raises ``redis.exceptions.ConnectionError`` (or
 ``TimeoutError``; both are in ``REDIS_DOWN``). Each queue call first rides out an outage for
 the queue's ``outage_s`` (with ``retrying``), which is safe because every step is idempotent
-(see ``redis_scripts``). A caller that gets the error anyway should treat Redis as down:
+(see ``scripts``). A caller that gets the error anyway should treat Redis as down:
 stop taking new work, keep the jobs it holds running if it can, and retry the call with
 backoff (``retrying`` again) rather than at once in a loop. Nothing is lost by waiting
 as long as Redis keeps its data (AOF or RDB persistence): jobs, leases, consumer groups and
@@ -189,7 +189,7 @@ class QueuedJob:
     body: Mapping[str, Any]
     need: int = 0
     """The tokens of context a claimer's slot must have to be given it (0: any). A claim
-    passes over a job that needs more than its limit (``redis_claim``); a holder whose
+    passes over a job that needs more than its limit (``claim``); a holder whose
     llama-server refused the prompt as too long gives it back needing more (``requeue``)."""
 
 

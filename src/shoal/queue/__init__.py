@@ -1,1 +1,0 @@
-"""Where jobs wait for a worker. In-process by default."""

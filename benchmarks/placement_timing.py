@@ -17,9 +17,9 @@ from shoal.protocol.ids import ModelName, WorkerId
 from shoal.protocol.messages import Endpoint, ModelInfo
 from shoal.router.dispatch.job import Submission
 from shoal.router.dispatch.memory import MemoryDispatcher
-from shoal.router.metrics import Metrics, Snapshot
+from shoal.router.dispatch.workers import ConnState, Registry, WorkerConnection
+from shoal.router.observe.metrics import Metrics, Snapshot
 from shoal.router.settings import RouterSettings
-from shoal.router.workers import ConnState, Registry, WorkerConnection
 from standins import register
 
 MODEL = ModelName("placed")

@@ -29,8 +29,8 @@ from shoal.router.deployments import deployment
 from shoal.router.deployments.deployment import DeploymentState
 from shoal.router.dispatch import job
 from shoal.router.dispatch.job import Job, JobState
-from shoal.router.workers import ALLOWED as CONNECTION
-from shoal.router.workers import ConnState
+from shoal.router.dispatch.workers import ALLOWED as CONNECTION
+from shoal.router.dispatch.workers import ConnState
 from shoal.worker import attached, image_service, link, llama_server, redis_pull, shards
 
 

@@ -1,9 +1,9 @@
 """The body of an image job as router and worker exchange it, and the events it streams.
 
 The router turns an OpenAI request (``/v1/images/generations``, ``/v1/images/edits``) or an
-Automatic1111-style one into one ``ImageJob`` (``router/image_requests.py``), checked against
-the limits below, and sends ``ImageJob.model_dump()`` as ``JobStart.body``. The worker reads it
-back with ``ImageJob.model_validate`` and runs it on its image engine.
+Automatic1111-style one into one ``ImageJob`` (``router/admission/image_requests.py``), checked
+against the limits below, and sends ``ImageJob.model_dump()`` as ``JobStart.body``. The worker
+reads it back with ``ImageJob.model_validate`` and runs it on its image engine.
 
 A streamed image job sends ``progress_event`` chunks, one per denoising step, then one
 ``completed_event`` chunk with the result; a non-streamed one answers the result alone.

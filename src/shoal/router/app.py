@@ -27,16 +27,21 @@ from shoal.data import routes as data_routes
 from shoal.data.store import ModelStore
 from shoal.keys import KeyStore, KeyStoreError, Scope, open_store
 from shoal.models.resolve import resolve_model
-from shoal.router import dashboard, errors
-from shoal.router.accounting import Accounting
-from shoal.router.async_jobs.memory_store import MemoryJobStore
-from shoal.router.async_jobs.redis_store import RedisJobStore
+from shoal.router import errors
+from shoal.router.admission.accounting import Accounting
+from shoal.router.admission.auth import KeyCheck, StoreAccess, describe, startup_problem
+from shoal.router.admission.ratelimit.interface import RateLimiter
+from shoal.router.admission.ratelimit.memory import MemoryRateLimiter
+from shoal.router.admission.ratelimit.redis import RedisRateLimiter
+from shoal.router.admission.requests import RequestLimits
+from shoal.router.admission.result_cache.interface import ResultCache
+from shoal.router.admission.result_cache.memory import MemoryResultCache
+from shoal.router.admission.result_cache.redis import RedisResultCache
 from shoal.router.async_jobs.runner import dispatcher_runner
 from shoal.router.async_jobs.service import JobsService, Owner
-from shoal.router.async_jobs.store import JobStore
-from shoal.router.auth import KeyCheck, StoreAccess, describe, startup_problem
-from shoal.router.context import RouterContext
-from shoal.router.deployments import routes as deployments_routes
+from shoal.router.async_jobs.store.interface import JobStore
+from shoal.router.async_jobs.store.memory import MemoryJobStore
+from shoal.router.async_jobs.store.redis import RedisJobStore
 from shoal.router.deployments.controller import Deployments
 from shoal.router.deployments.leases import DeploymentLeases
 from shoal.router.deployments.pin import pin_model
@@ -45,14 +50,12 @@ from shoal.router.deployments.tunnels import RouterTunnels
 from shoal.router.dispatch.answers import UnavailableReason
 from shoal.router.dispatch.interface import Dispatcher
 from shoal.router.dispatch.memory import MemoryDispatcher
-from shoal.router.dispatch.redis_queue import RedisDispatcher, consumer_name
-from shoal.router.metrics import Metrics, RequestMetrics
-from shoal.router.ratelimit import MemoryRateLimiter, RateLimiter
-from shoal.router.ratelimit_redis import RedisRateLimiter
-from shoal.router.requests import RequestLimits
-from shoal.router.result_cache import MemoryResultCache, RedisResultCache, ResultCache
+from shoal.router.dispatch.redis import RedisDispatcher, consumer_name
+from shoal.router.dispatch.workers import Registry
+from shoal.router.observe.metrics import Metrics, RequestMetrics
 from shoal.router.routes import (
     autoscaling,
+    dashboard,
     health,
     images,
     inference,
@@ -60,11 +63,12 @@ from shoal.router.routes import (
     usage,
     worker_socket,
 )
+from shoal.router.routes import deployments as deployments_routes
 from shoal.router.routes import jobs as jobs_routes
 from shoal.router.routes import metrics as metrics_routes
+from shoal.router.routes.context import RouterContext
+from shoal.router.routes.snapshot import snapshot
 from shoal.router.settings import RouterSettings
-from shoal.router.snapshot import snapshot
-from shoal.router.workers import Registry
 from shoal.settings import CLIENT_KEY_VARIABLE, flag_and_variable
 
 log = logging.getLogger(__name__)

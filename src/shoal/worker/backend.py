@@ -65,7 +65,7 @@ class BackendTarget:
     ask_usage: bool = False
     """Streams always ask for their usage (``stream_options.include_usage``): an attached
     server counts their tokens nowhere else (llama-server's ``timings`` do); the router
-    charges it and keeps it from a client that did not ask (``router/usage.py``)."""
+    charges it and keeps it from a client that did not ask (``router/admission/usage.py``)."""
     spare_path: str | None = None
     """A cheap GET the backend answers: each job's connection is closed as it ends and one
     is opened for the next job with it (``loopback.open_spare``). None: connections are

@@ -2,7 +2,7 @@
 
 A llama-server that stops (SIGSTOP, a frozen cgroup, a machine swapping itself to death)
 keeps its connections open and sends nothing; its worker is fine and keeps heartbeating,
-so the router's stall rule (``router/stall.py``) never fires, and before this rule the
+so the router's stall rule (``router/dispatch/stall.py``) never fires, and before this rule the
 job waited for the idle health check: three failed ``/health`` probes 10 s apart, then
 SIGTERM and a 5 s grace (37 s measured). The rule:
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from router.socketless import worker_connection
 from shoal.keys.db import make_engine, resolve_database
 from shoal.keys.migrate import upgrade
 from shoal.protocol.messages import (
@@ -22,7 +21,8 @@ from shoal.router.deployments.deployment import DeploymentSpec, TunnelBytes
 from shoal.router.deployments.pin import pin_model
 from shoal.router.deployments.placement import Strategy
 from shoal.router.deployments.store import DeploymentStore
-from shoal.router.workers import Registry, WorkerConnection
+from shoal.router.dispatch.workers import Registry, WorkerConnection
+from socketless import worker_connection
 
 GIB = 2**30
 

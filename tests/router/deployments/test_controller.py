@@ -18,7 +18,6 @@ from deployment_rig import (
     status,
 )
 
-from router.socketless import worker_connection
 from shoal.models.errors import ModelError
 from shoal.protocol.messages import (
     DevicePlacement,
@@ -40,9 +39,10 @@ from shoal.router.deployments.deployment import (
 )
 from shoal.router.deployments.nodes import planning_nodes
 from shoal.router.deployments.placement import Strategy
+from shoal.router.dispatch.workers import Registry
 from shoal.router.errors import BadRequest
-from shoal.router.workers import Registry
 from shoal.worker.shards import head_args
+from socketless import worker_connection
 
 
 async def test_stages_first_then_the_head_with_the_plans_numbers(

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from router.socketless import worker_connection
 from shoal.protocol.messages import ShardDevice
 from shoal.router.deployments.nodes import shard_nodes
 from shoal.router.deployments.placement import Gpu
+from socketless import worker_connection
 
 GIB = 2**30
 

@@ -18,7 +18,7 @@ from shoal.router.deployments.deployment import DeploymentSpec, DeploymentState
 from shoal.router.deployments.leases import DeploymentLeases
 from shoal.router.deployments.placement import Strategy
 from shoal.router.deployments.store import DeploymentStore
-from shoal.router.workers import Registry
+from shoal.router.dispatch.workers import Registry
 
 
 class SlowStore(DeploymentStore):

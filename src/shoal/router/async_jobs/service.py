@@ -32,7 +32,7 @@ from shoal.router.async_jobs.records import (
     new_async_job_id,
     parse_async_job_id,
 )
-from shoal.router.async_jobs.store import (
+from shoal.router.async_jobs.store.interface import (
     JobAlreadyFinished,
     JobNotFound,
     JobStore,

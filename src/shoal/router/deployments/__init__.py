@@ -24,5 +24,5 @@ that deploys and heals), ``shards`` (what starts and stops a deployment's shards
 workers, in order), ``nodes`` (which workers a plan is made over), ``store`` (the
 deployments in the router's database), ``leases`` + ``sharing`` (which router runs each
 deployment when several share Redis), ``tunnels`` (the RPC tunnel hub, told about
-workers), ``views`` (the status JSON) and ``routes`` (the HTTP API).
+workers) and ``views`` (the status JSON). The HTTP API is ``router/routes/deployments.py``.
 """

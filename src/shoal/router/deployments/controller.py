@@ -70,7 +70,7 @@ from shoal.router.deployments.shards import (
 )
 from shoal.router.deployments.sharing import Sharing
 from shoal.router.deployments.views import deployment_view
-from shoal.router.workers import Registry, WorkerConnection
+from shoal.router.dispatch.workers import Registry, WorkerConnection
 
 log = logging.getLogger(__name__)
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from shoal.router.deployments.placement import Gpu, Node
+from shoal.router.dispatch.worker_names import UnknownWorkers, resolve_workers
+from shoal.router.dispatch.workers import Registry, WorkerConnection
 from shoal.router.errors import BadRequest
-from shoal.router.worker_names import UnknownWorkers, resolve_workers
-from shoal.router.workers import Registry, WorkerConnection
 
 
 def deployment_nodes(registry: Registry, wanted: tuple[str, ...] | None) -> list[Node] | str:

@@ -24,7 +24,7 @@ from shoal.protocol.messages import RpcPeer, ShardRole, ShardStart, ShardStop
 from shoal.router.deployments.deployment import Deployment, ShardView, TunnelBytes
 from shoal.router.deployments.launch import Holder, head_launch, holders, stage_devices
 from shoal.router.deployments.placement import Plan
-from shoal.router.workers import Registry, WorkerConnection
+from shoal.router.dispatch.workers import Registry, WorkerConnection
 
 log = logging.getLogger(__name__)
 

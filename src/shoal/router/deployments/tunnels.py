@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from shoal.protocol.ids import WorkerId
 from shoal.protocol.messages import RpcPeer, TunnelDial
 from shoal.router.deployments.deployment import TunnelBytes
-from shoal.router.workers import Registry, WorkerConnection
+from shoal.router.dispatch.workers import Registry, WorkerConnection
 from shoal.tunnel.handshake import StageWanted, TunnelId
 from shoal.tunnel.hub import StageUnavailable, TunnelHub
 

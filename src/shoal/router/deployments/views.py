@@ -9,7 +9,7 @@ from shoal.protocol.ids import WorkerId
 from shoal.router.deployments.deployment import Deployment, ShardView, TunnelBytes
 from shoal.router.deployments.launch import head_launch, holders, placed_layers
 from shoal.router.deployments.placement import DeviceShare, Plan
-from shoal.router.workers import Registry
+from shoal.router.dispatch.workers import Registry
 
 
 def deployment_view(

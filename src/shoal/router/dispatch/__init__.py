@@ -7,7 +7,7 @@
                                                                redis: output stream ▶ tail
 
 * ``interface.py``: ``Dispatcher``, what routes and the composition root may ask.
-* ``memory.py`` / ``redis_queue.py``: the two siblings; each holds only what differs: where
+* ``memory.py`` / ``redis.py``: the two siblings; each holds only what differs: where
   jobs wait and how their output travels back.
 * ``job.py``: a job's state machine. Its outcome events are ``shoal.jobs.events``, the one
   vocabulary for them here and on the Redis queue.
@@ -20,4 +20,8 @@
   a worker's slot, from its body (pure).
 * ``holder.py``, ``directory.py``: with Redis, the claims for this router's workers and the
   list of every router's workers.
+* ``workers.py``: the workers connected here (``WorkerConnection``, a state machine) and the
+  ``Registry`` of them; ``model_views.py``: what they add up to per model, kept as they
+  change; ``worker_names.py``: a worker named in the API → its id (pure); ``stall.py``: when
+  a silent worker is taken for frozen (pure).
 """

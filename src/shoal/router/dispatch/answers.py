@@ -17,8 +17,8 @@ from shoal.protocol.messages import Endpoint, ErrorBody
 from shoal.router.dispatch import need
 from shoal.router.dispatch.directory import RemoteWorker
 from shoal.router.dispatch.job import Job, JobState, Submission
+from shoal.router.dispatch.workers import Registry
 from shoal.router.errors import BadRequest, ModelNotFound, QueueFull, Unavailable
-from shoal.router.workers import Registry
 
 RETRY_AFTER_QUEUE_FULL_S = 2.0
 RETRY_AFTER_NO_WORKER_S = 5.0

@@ -44,7 +44,7 @@ from shoal.redis_queue.support import (
     text,
 )
 from shoal.router.dispatch.scheduler import WorkerLoad, contexts_of, hold_for
-from shoal.router.workers import Registry
+from shoal.router.dispatch.workers import Registry
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ So a tenant that floods the queue gets tags far in the future and one that sends
 then finds its tag at ``V``, ahead of the flood. It is work-conserving (a tenant alone takes
 every slot) and, over any interval in which tenants i and j both have jobs waiting, the work
 dispatched for them obeys ``|W_i / w_i - W_j / w_j| <= c_i / w_i + c_j / w_j`` with ``c`` the
-largest cost of each (tested with hypothesis in ``tests/router/test_fair_queue.py``).
+largest cost of each (tested with hypothesis in ``tests/router/dispatch/test_fair_queue.py``).
 
 Two classes: *interactive* jobs go before *batch* ones (async jobs); a batch job that has
 waited ``batch_aging_s`` counts as interactive, so batch work is never held back longer than

@@ -48,8 +48,8 @@ from shoal.redis_queue.support import REDIS_DOWN, raise_if_cancelled
 from shoal.router.dispatch.job import Job
 from shoal.router.dispatch.running import Running
 from shoal.router.dispatch.scheduler import claim_limit
-from shoal.router.metrics import Metrics
-from shoal.router.workers import Registry, WorkerConnection
+from shoal.router.dispatch.workers import Registry, WorkerConnection
+from shoal.router.observe.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

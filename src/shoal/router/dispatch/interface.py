@@ -88,7 +88,7 @@ class Dispatcher(Protocol):
         """``time.monotonic()`` when this router last heard, through Redis, that another
         router's worker is alive (its last worker-directory sync that found one); None
         without Redis or before that. The stall rule counts it as another worker heard from
-        (``router/stall.py``)."""
+        (``router/dispatch/stall.py``)."""
         ...
 
     # ------------------------------------------------------------ lifetime

@@ -24,9 +24,9 @@ from shoal.router.dispatch.job import Job, JobState, Submission
 from shoal.router.dispatch.output import JobOutput
 from shoal.router.dispatch.running import PREEMPTED, Running
 from shoal.router.dispatch.worker_side import WorkerSide
-from shoal.router.metrics import Metrics
+from shoal.router.dispatch.workers import Registry
+from shoal.router.observe.metrics import Metrics
 from shoal.router.settings import RouterSettings
-from shoal.router.workers import Registry
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import time
 
 from shoal.jobs.events import Data, Failed, OutputEvent, Requeued
 from shoal.router.dispatch.job import Job, JobState
-from shoal.router.metrics import Metrics
+from shoal.router.observe.metrics import Metrics
 
 
 class JobOutput:

@@ -7,7 +7,7 @@ it) and goes on later exactly where it stopped (``Continuation``: the ids of eve
 client has), and its slot goes to the waiting job at once.
 
 The rules, all here (pure: data in, decision out; hypothesis-tested in
-``tests/router/test_preemption.py``):
+``tests/router/dispatch/test_preemption.py``):
 
 * only when no slot is free for the waiting job (otherwise it is simply placed), and the freed
   slot goes to it at once: no slot is ever left idle (work-conserving);

@@ -55,7 +55,7 @@ from shoal.router.dispatch.fair_queue import Priority
 from shoal.router.dispatch.job import Job, JobState
 from shoal.router.dispatch.preemption import MIN_TOKENS, RunningJob, WaitingJob, choose_victim
 from shoal.router.dispatch.scheduler import pick_worker
-from shoal.router.workers import Registry, WorkerConnection
+from shoal.router.dispatch.workers import Registry, WorkerConnection
 
 log = logging.getLogger(__name__)
 

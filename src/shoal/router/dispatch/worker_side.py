@@ -33,7 +33,7 @@ from shoal.protocol.messages import (
     WorkerMessage,
 )
 from shoal.router.dispatch.running import Running
-from shoal.router.workers import Registry, WorkerConnection
+from shoal.router.dispatch.workers import Registry, WorkerConnection
 
 log = logging.getLogger(__name__)
 

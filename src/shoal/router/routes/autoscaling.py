@@ -1,6 +1,6 @@
 """GET /api/v1/autoscaling: each model's scaling signals over the cluster (admin key).
 
-The figures of the ``shoal_cluster_*`` gauges (``router/autoscaling.py``), as JSON an
+The figures of the ``shoal_cluster_*`` gauges (``router/observe/autoscaling.py``), as JSON an
 autoscaler reads without Prometheus (KEDA's ``metrics-api`` trigger:
 ``models.<model>.queue_depth``). With Redis every router answers for the whole cluster.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from shoal.router.context import context
 from shoal.router.routes.common import json_response
-from shoal.router.snapshot import autoscaling
+from shoal.router.routes.context import context
+from shoal.router.routes.snapshot import autoscaling
 
 router = APIRouter()
 

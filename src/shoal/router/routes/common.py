@@ -9,14 +9,14 @@ from starlette.responses import Response
 
 from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import Endpoint
-from shoal.router.accounting import Ticket
-from shoal.router.auth import Principal
+from shoal.router.admission.accounting import Ticket
+from shoal.router.admission.auth import Principal
 from shoal.router.dispatch.fair_queue import Tenant
 from shoal.router.dispatch.job import Job, Submission
 from shoal.router.errors import RouterError
 
 if TYPE_CHECKING:
-    from shoal.router.context import RouterContext
+    from shoal.router.routes.context import RouterContext
 
 
 def json_response(payload: object, status: int = 200) -> Response:

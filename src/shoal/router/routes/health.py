@@ -6,9 +6,9 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from shoal import __version__
-from shoal.router.context import context
 from shoal.router.errors import Unavailable
 from shoal.router.routes.common import json_response
+from shoal.router.routes.context import context
 
 router = APIRouter()
 

@@ -1,8 +1,8 @@
 """Image generation: OpenAI's ``/v1/images/generations`` (txt2img) and ``/v1/images/edits``
 (img2img), and Automatic1111's ``/sdapi/v1/txt2img`` and ``/sdapi/v1/img2img`` for its clients.
 
-Requests are checked (``router/image_requests.py``) and queued like text ones, on the image
-endpoints, so the scheduler hands them only to workers that serve the model for images. With
+Requests are checked (``router/admission/image_requests.py``) and queued like text ones, on the
+image endpoints, so the scheduler hands them only to workers that serve the model for images. With
 ``stream: true`` the answer is SSE: one ``image_generation.progress`` event per denoising step,
 then ``image_generation.completed`` with the result, then ``[DONE]``.
 """
@@ -20,17 +20,17 @@ from starlette.responses import Response
 
 from shoal.jobs.events import Failed, Requeued, Result
 from shoal.protocol.messages import Endpoint
-from shoal.router.context import RouterContext, context
-from shoal.router.errors import BadRequest, RouterError, UpstreamError
-from shoal.router.image_requests import (
+from shoal.router.admission.image_requests import (
     CheckedImageRequest,
     check_image_request,
     form_fields,
     image_models,
 )
-from shoal.router.relay import JobResponse
-from shoal.router.requests import json_body, read_body
+from shoal.router.admission.requests import json_body, read_body
+from shoal.router.errors import BadRequest, RouterError, UpstreamError
 from shoal.router.routes.common import admit_and_submit, json_response
+from shoal.router.routes.context import RouterContext, context
+from shoal.router.routes.relay import JobResponse
 
 log = logging.getLogger(__name__)
 

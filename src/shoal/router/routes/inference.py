@@ -1,6 +1,6 @@
 """What the OpenAI-compatible inference routes share: read, check, submit, respond.
 
-A request is read and checked (``router/requests.py``) before it is queued, then admitted
+A request is read and checked (``router/admission/requests.py``) before it is queued, then admitted
 against its key's limits, answered from the result cache or queued for a worker.
 
 The FastAPI routes at the end are the documented (OpenAPI) form of the same endpoints; their
@@ -22,11 +22,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from shoal.protocol.messages import Endpoint
-from shoal.router.context import RouterContext, context
-from shoal.router.dispatch.job import JobState
-from shoal.router.errors import BadRequest, RouterError, error_reply
-from shoal.router.relay import JobResponse
-from shoal.router.requests import (
+from shoal.router.admission.requests import (
     MAX_CHOICES,
     TOKEN_FIELDS,
     RequestLimits,
@@ -34,8 +30,12 @@ from shoal.router.requests import (
     json_body,
     read_body,
 )
-from shoal.router.result_cache import CacheFill, cache_key, cache_policy, replay
+from shoal.router.admission.result_cache.interface import CacheFill, cache_key, cache_policy, replay
+from shoal.router.dispatch.job import JobState
+from shoal.router.errors import BadRequest, RouterError, error_reply
 from shoal.router.routes.common import admit_and_submit
+from shoal.router.routes.context import RouterContext, context
+from shoal.router.routes.relay import JobResponse
 
 log = logging.getLogger(__name__)
 

@@ -27,18 +27,18 @@ from starlette.responses import Response
 
 from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import Endpoint
-from shoal.router.async_jobs.records import JobRecord, JobStatus, JobType
-from shoal.router.async_jobs.service import JobsService, Owner
-from shoal.router.errors import BadRequest
-from shoal.router.image_requests import check_image_request
-from shoal.router.image_requests import image_models as image_models_of
-from shoal.router.requests import (
+from shoal.router.admission.image_requests import check_image_request
+from shoal.router.admission.image_requests import image_models as image_models_of
+from shoal.router.admission.requests import (
     CheckedRequest,
     RequestLimits,
     check_body,
     json_body,
     read_body,
 )
+from shoal.router.async_jobs.records import JobRecord, JobStatus, JobType
+from shoal.router.async_jobs.service import JobsService, Owner
+from shoal.router.errors import BadRequest
 from shoal.router.routes.common import json_response
 
 KeyCheckFn = Callable[[Headers], Owner | Awaitable[Owner]]

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from starlette.datastructures import Headers
 from starlette.responses import Response
 
-from shoal.router.metrics import Metrics
+from shoal.router.observe.metrics import Metrics
 
 router = APIRouter()
 

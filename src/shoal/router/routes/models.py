@@ -11,10 +11,10 @@ from starlette.responses import Response
 
 from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import BackendState, ModelControl, ModelInfo
-from shoal.router.context import context
+from shoal.router.dispatch.worker_names import resolve_workers
 from shoal.router.errors import BadRequest, ModelNotFound
 from shoal.router.routes.common import json_response
-from shoal.router.worker_names import resolve_workers
+from shoal.router.routes.context import context
 
 router = APIRouter()
 

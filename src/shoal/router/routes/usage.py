@@ -10,9 +10,9 @@ from starlette.responses import Response
 
 from shoal.keys import AmbiguousKey, KeyStore, UnknownKey, UsageRow
 from shoal.keys.usage import hour_start, usage_since
-from shoal.router.context import context
 from shoal.router.errors import BadRequest
 from shoal.router.routes.common import json_response
+from shoal.router.routes.context import context
 
 router = APIRouter()
 

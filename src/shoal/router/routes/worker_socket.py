@@ -29,10 +29,10 @@ from shoal.protocol.messages import (
     decode_worker_message,
     encode,
 )
-from shoal.router.context import RouterContext, context
 from shoal.router.dispatch.interface import Dispatcher
-from shoal.router.stall import frozen, next_check
-from shoal.router.workers import ConnState, WorkerConnection
+from shoal.router.dispatch.stall import frozen, next_check
+from shoal.router.dispatch.workers import ConnState, WorkerConnection
+from shoal.router.routes.context import RouterContext, context
 from shoal.tls_listener import PeerWarnings
 
 log = logging.getLogger(__name__)

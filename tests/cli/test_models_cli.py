@@ -15,7 +15,7 @@ import pytest
 from cluster import clean_env
 from fakes.fake_hub import FakeHub, RepoInfo
 from shoal.cli.main import main
-from shoal.models.catalog import load_catalog
+from shoal.models.catalog_file import load_catalog
 from shoal.models.default import DEFAULT_MODEL
 from shoal.models.pypi import model_path
 

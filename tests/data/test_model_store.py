@@ -14,10 +14,10 @@ from stores import TINY_ID, BodyBytes
 
 from shoal.data.app import DataConfigError, bind, build_app, serve
 from shoal.data.errors import ModelNotFound
-from shoal.data.pull_plan import merge_ranges
 from shoal.data.routes import install
 from shoal.data.settings import DataSettings
 from shoal.data.store import ModelStore
+from shoal.models.byte_ranges import merge_ranges
 from shoal.pip_download import file_sha256
 
 

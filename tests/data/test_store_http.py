@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from stores import MODEL_ID, READ_KEY, TINY_ID, StartStore, StoreServer
 
-from shoal.data.pull_plan import merge_ranges
+from shoal.models.byte_ranges import merge_ranges
 from shoal.models.gguf_info import GGUFInfo, inspect
 from shoal.models.store_client import PullPlan, fetch_ranges, request_pull
 from shoal.pip_download import file_sha256

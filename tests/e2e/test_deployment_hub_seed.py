@@ -20,7 +20,7 @@ from split_models import deployment
 from cluster import Cluster, Router, wait_until
 from data.stores import link_or_copy
 from fakes.fake_hub import FakeHub
-from shoal.models.catalog import load_catalog
+from shoal.models.catalog_file import load_catalog
 from shoal.models.gguf_info import inspect
 from shoal.models.hub_cache import local_path
 from shoal.models.hub_ranges import HEADER_CHUNK

@@ -10,7 +10,7 @@ import pytest
 
 from cluster import API_KEY, Cluster
 from fakes.fake_hub import FakeHub
-from shoal.models.catalog import load_catalog
+from shoal.models.catalog_file import load_catalog
 from shoal.models.hub_cache import local_path
 
 pytestmark = pytest.mark.e2e

@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from shoal.models.catalog import estimate_size, parse_catalog
+from shoal.models.catalog import estimate_size
+from shoal.models.catalog_file import parse_catalog
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "catalog" / "build_catalog.py"
 SHA = {name: f"{i:x}" * 64 for i, name in enumerate("abcdef", start=1)}

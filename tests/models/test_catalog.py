@@ -21,10 +21,8 @@ from shoal.models.catalog import (
     CatalogError,
     ModelKind,
     estimate_size,
-    load_catalog,
-    parse_catalog,
 )
-from shoal.models.catalog_schema import SPLIT_PATTERN
+from shoal.models.catalog_file import SPLIT_PATTERN, load_catalog, parse_catalog
 from shoal.models.default import DEFAULT_MODEL
 
 CATALOG = load_catalog()

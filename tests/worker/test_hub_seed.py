@@ -22,7 +22,7 @@ from data.stores import link_or_copy
 from fakes.fake_hub import FakeHub
 from shoal.hardware.profile import MachineProfile
 from shoal.llama_cpp.rpc_cache import RpcCache
-from shoal.models.catalog import load_catalog
+from shoal.models.catalog_file import load_catalog
 from shoal.models.default import DEFAULT_MODEL
 from shoal.models.errors import HubError
 from shoal.models.gguf_info import inspect

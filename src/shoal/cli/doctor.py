@@ -41,7 +41,7 @@ from shoal.llama_cpp.errors import LlamaCppError
 from shoal.llama_cpp.facts import gather
 from shoal.llama_cpp.options import binaries
 from shoal.llama_cpp.release import RELEASE_TAG, asset_name, runtime_asset_name
-from shoal.models.catalog import load_catalog
+from shoal.models.catalog_file import load_catalog
 from shoal.models.default import DEFAULT_MODEL
 from shoal.models.errors import ModelError
 from shoal.models.resolve import FitContext, decide

@@ -13,7 +13,8 @@ from pydantic import Field
 from shoal.cli import logs
 from shoal.cli.errors import UserError, settings_for
 from shoal.hardware.detect import detect_machine, parse_gpu_devices
-from shoal.models.catalog import CatalogEntry, load_catalog
+from shoal.models.catalog import CatalogEntry
+from shoal.models.catalog_file import load_catalog
 from shoal.models.default import DEFAULT_MODEL
 from shoal.models.errors import ModelError
 from shoal.models.fit import FitDecision

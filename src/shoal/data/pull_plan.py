@@ -16,12 +16,8 @@ are separated only by alignment padding.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
+from shoal.models.byte_ranges import ByteRange, merge_ranges
 from shoal.models.gguf_info import GGUFInfo, TensorInfo
-
-ByteRange = tuple[int, int]
-"""``[start, end)``: absolute file offsets, end exclusive."""
 
 # How gguf_info classifies non-layer tensors.
 _HEAD_PREFIX = "token_embd"
@@ -58,18 +54,3 @@ def _needed(t: TensorInfo, info: GGUFInfo, *, at_start: bool, at_end: bool) -> b
     if t.name.startswith(_TAIL_PREFIXES):
         return at_end
     return True
-
-
-def merge_ranges(ranges: Iterable[ByteRange], *, max_gap: int = 0) -> tuple[ByteRange, ...]:
-    """Sort ranges and merge those that overlap, touch, or are at most ``max_gap`` apart."""
-    merged: list[ByteRange] = []
-    for start, end in sorted(r for r in ranges if r[1] > r[0]):
-        if merged and start - merged[-1][1] <= max_gap:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return tuple(merged)
-
-
-def total_bytes(ranges: Iterable[ByteRange]) -> int:
-    return sum(end - start for start, end in ranges)

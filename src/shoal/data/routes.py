@@ -21,9 +21,9 @@ from starlette.responses import Response
 from shoal.data import errors
 from shoal.data.http_range import file_response
 from shoal.data.keys import StoreAccess, StoreKeys
-from shoal.data.pull_plan import total_bytes
 from shoal.data.settings import DEFAULT_MAX_UPLOAD_BYTES
 from shoal.data.store import ModelStore
+from shoal.models.byte_ranges import total_bytes
 from shoal.models.gguf_info import to_json
 from shoal.models.store_client import PullPlan
 

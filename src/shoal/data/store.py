@@ -26,9 +26,10 @@ import anyio.to_thread
 
 from shoal.data.errors import BadRequest, ModelChanged, ModelExists, ModelNotFound, UnreadableModel
 from shoal.data.http_range import OpenFile
-from shoal.data.pull_plan import ByteRange, layer_byte_ranges
+from shoal.data.pull_plan import layer_byte_ranges
 from shoal.data.settings import DEFAULT_MAX_UPLOAD_BYTES
 from shoal.data.upload import TEMP_PREFIX, TEMP_SUFFIX, Upload, too_large
+from shoal.models.byte_ranges import ByteRange
 from shoal.models.errors import ModelError
 from shoal.models.gguf_info import GGUFInfo, inspect
 from shoal.models.store_client import RegistryEntry

@@ -10,15 +10,10 @@ from __future__ import annotations
 
 import enum
 import functools
-import json
-import logging
 from dataclasses import dataclass
-from importlib import resources
 
 from shoal.models.errors import ModelError
 from shoal.models.spec import ModelSpec
-
-logger = logging.getLogger(__name__)
 
 CATALOG_RESOURCE = "catalog.json"
 SCHEMA_VERSION = 1
@@ -204,30 +199,3 @@ class Catalog:
 def estimate_size(parameters: int, quantization: str) -> int:
     """Bytes of a GGUF of ``parameters`` weights in ``quantization`` (an estimate)."""
     return round(parameters * BITS_PER_WEIGHT[quantization.upper()] / 8)
-
-
-def parse_catalog(text: str) -> Catalog:
-    """Parse and validate catalog JSON text; raise CatalogError naming the bad entry."""
-    from shoal.models.catalog_schema import parse_document  # the schema module imports ours
-
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CatalogError(f"{CATALOG_RESOURCE} is not valid JSON: {exc}. {_FIX}") from exc
-    return Catalog(entries=parse_document(document))
-
-
-@functools.cache
-def load_catalog() -> Catalog:
-    """The catalog shipped with Shoal, read and validated once per process."""
-    resource = resources.files(__package__).joinpath(CATALOG_RESOURCE)
-    try:
-        text = resource.read_text(encoding="utf-8")
-    except FileNotFoundError as exc:
-        raise CatalogError(f"{CATALOG_RESOURCE} is missing from the shoal package. {_FIX}") from exc
-    catalog = parse_catalog(text)
-    logger.debug("loaded model catalog: %d entries", len(catalog.entries))
-    return catalog
-
-
-_FIX = "Reinstall shoal, or regenerate it with scripts/catalog/build_catalog.py."

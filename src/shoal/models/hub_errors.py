@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import httpx2
 from huggingface_hub.errors import (
@@ -17,8 +17,16 @@ from huggingface_hub.errors import (
 
 from shoal.models.errors import HubError
 
-if TYPE_CHECKING:
-    from shoal.models.hub import HubConfig
+
+class HubAddress(Protocol):
+    """What the messages name of ``hub.HubConfig`` (``hub`` imports this module)."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def token(self) -> str | None: ...
+
 
 HUB_FAILURES: tuple[type[Exception], ...] = (OSError, httpx2.HTTPError)
 """What talking to the Hub can raise: huggingface_hub's errors are OSErrors, httpx2's are not."""
@@ -26,7 +34,7 @@ HUB_FAILURES: tuple[type[Exception], ...] = (OSError, httpx2.HTTPError)
 
 def hub_error(
     exc: Exception,
-    config: HubConfig,
+    config: HubAddress,
     repo: str | None,
     file: str | None,
     revision: str | None,
@@ -64,7 +72,7 @@ def _describe(repo: str | None, file: str | None, revision: str | None) -> str:
 
 def _http_error(
     exc: HfHubHTTPError,
-    config: HubConfig,
+    config: HubAddress,
     repo: str | None,
     file: str | None,
     revision: str | None,
@@ -92,7 +100,7 @@ def _http_error(
     )
 
 
-def _access_message(config: HubConfig, repo: str, page: str, status: int) -> str:
+def _access_message(config: HubAddress, repo: str, page: str, status: int) -> str:
     if not config.token:
         return (
             f"{repo} is gated or private (HTTP {status}) and no token was sent. Accept the "

@@ -7,7 +7,7 @@ and endpoint like every download: ``hub``) only:
 
 1. the header, a chunk at a time until ``gguf_header.data_offset`` says where it ends;
 2. the tensors ``stage_tensors`` gives the stage (those llama.cpp asks for by hash), their
-   ranges merged where only alignment padding separates them (``data.pull_plan``).
+   ranges merged where only alignment padding separates them (``byte_ranges``).
 
 Both go at their offsets into a sparse file of the model's full size in
 ``models/hub-layers/`` (like the model store's layer pull), renamed into place when complete,
@@ -30,8 +30,8 @@ import httpx2
 from huggingface_hub import get_session, hf_raise_for_status
 from huggingface_hub.utils._headers import build_hf_headers
 
-from shoal.data.pull_plan import merge_ranges
 from shoal.models import hub_cache
+from shoal.models.byte_ranges import merge_ranges
 from shoal.models.errors import HubError
 from shoal.models.gguf_header import HEADER_CHUNK, MAX_HEADER, data_offset
 from shoal.models.gguf_info import inspect

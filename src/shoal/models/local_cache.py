@@ -11,7 +11,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from shoal.models.catalog import CatalogEntry, load_catalog
+from shoal.models.catalog import CatalogEntry
+from shoal.models.catalog_file import load_catalog
 from shoal.models.errors import ModelError
 from shoal.models.hub_cache import list_cached, remove_cached
 from shoal.models.pypi import model_path as pypi_path

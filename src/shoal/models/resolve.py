@@ -17,7 +17,8 @@ from pathlib import Path
 
 from shoal.hardware.profile import MachineProfile
 from shoal.models.budget import budget_for
-from shoal.models.catalog import CatalogEntry, load_catalog
+from shoal.models.catalog import CatalogEntry
+from shoal.models.catalog_file import load_catalog
 from shoal.models.errors import ModelError
 from shoal.models.fit import FitDecision, Need, choose_quantization, estimate_from_gguf
 from shoal.models.gguf_header import check_complete

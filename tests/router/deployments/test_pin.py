@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from shoal.hardware.profile import MachineProfile
-from shoal.models.catalog import load_catalog
+from shoal.models.catalog_file import load_catalog
 from shoal.models.default import DEFAULT_MODEL
 from shoal.models.hub_cache import Stamp
 from shoal.models.resolve import FitContext, LocalModel, decide

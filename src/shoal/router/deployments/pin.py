@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shoal.models.catalog import CatalogEntry, load_catalog
+from shoal.models.catalog import CatalogEntry
+from shoal.models.catalog_file import load_catalog
 from shoal.models.hub_cache import Stamp, read_stamp
 from shoal.models.resolve import GGUF_SUFFIX, LocalModel, pypi_quantization, resolve_model
 from shoal.protocol.messages import ModelFile

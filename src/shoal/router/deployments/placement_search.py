@@ -15,10 +15,51 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:  # the vocabulary imports this module; the types only matter to mypy
-    from shoal.router.deployments.placement import ModelProfile, Node
+
+class ProfileLike(Protocol):
+    """What the search reads of ``placement.ModelProfile`` (``placement`` imports this
+    module, so the search knows its vocabulary only by these shapes)."""
+
+    @property
+    def n_layers(self) -> int: ...
+
+    @property
+    def layer_weight_bytes(self) -> tuple[int, ...]: ...
+
+    @property
+    def kv_bytes_per_token(self) -> tuple[int, ...]: ...
+
+    @property
+    def head_bytes(self) -> int: ...
+
+    @property
+    def tail_bytes(self) -> int: ...
+
+    @property
+    def compute_bytes(self) -> int: ...
+
+
+class GpuLike(Protocol):
+    """What the search reads of ``placement.Gpu``."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def free_bytes(self) -> int: ...
+
+
+class NodeLike(Protocol):
+    """What the search reads of ``placement.Node``."""
+
+    @property
+    def free_bytes(self) -> int: ...
+
+    @property
+    def gpus(self) -> Sequence[GpuLike]: ...
+
 
 _CPU = "CPU"
 
@@ -64,7 +105,7 @@ class Layout:
 
     @classmethod
     def build(
-        cls, profile: ModelProfile, nodes: Sequence[Node], ctx: int, headroom: float
+        cls, profile: ProfileLike, nodes: Sequence[NodeLike], ctx: int, headroom: float
     ) -> Layout:
         places: list[Place] = []
         for i, node in enumerate(nodes):

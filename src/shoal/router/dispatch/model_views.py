@@ -18,15 +18,35 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from shoal.protocol.ids import ModelName, WorkerId
-from shoal.protocol.messages import BackendState, Endpoint
-
-if TYPE_CHECKING:
-    from shoal.router.dispatch.workers import WorkerConnection
+from shoal.protocol.messages import BackendState, Endpoint, ModelInfo
 
 K = TypeVar("K")
+
+
+class Member(Protocol):
+    """What the views read of a worker (``workers.WorkerConnection``, which imports this
+    module: the views know it only by this)."""
+
+    @property
+    def id(self) -> WorkerId: ...
+
+    @property
+    def models(self) -> tuple[ModelInfo, ...]: ...
+
+    @property
+    def backend_state(self) -> BackendState: ...
+
+    @property
+    def connected_at(self) -> float: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+
+W = TypeVar("W", bound=Member)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +62,7 @@ class Share:
     """When the worker connected, whole seconds of wall-clock time (``/v1/models`` created)."""
 
 
-def shares_of(worker: WorkerConnection) -> tuple[Share, ...]:
+def shares_of(worker: Member) -> tuple[Share, ...]:
     """What ``worker`` adds to the views: one share per model it serves."""
     created = int(worker.connected_at)
     return tuple(
@@ -52,7 +72,7 @@ def shares_of(worker: WorkerConnection) -> tuple[Share, ...]:
 
 
 @dataclass(slots=True)
-class ModelView:
+class ModelView(Generic[W]):
     """The workers serving one model here, and their counts."""
 
     states: Counter[BackendState] = field(default_factory=Counter)
@@ -62,12 +82,12 @@ class ModelView:
     """How many of its entries have each context per slot, whatever the endpoint."""
     contexts: dict[Endpoint, Counter[int | None]] = field(default_factory=dict)
     """Per endpoint, how many workers have each context per slot (None: does not say)."""
-    serving: dict[Endpoint, dict[WorkerId, WorkerConnection]] = field(default_factory=dict)
+    serving: dict[Endpoint, dict[WorkerId, W]] = field(default_factory=dict)
     """Per endpoint, the workers serving the model for it."""
     workers: Counter[WorkerId] = field(default_factory=Counter)
     """The workers serving it (a count, in case one lists the model twice)."""
 
-    def add(self, worker: WorkerConnection, share: Share, sign: int) -> None:
+    def add(self, worker: W, share: Share, sign: int) -> None:
         """Count ``share`` in (``sign`` +1) or out (-1)."""
         _bump(self.states, share.state, sign)
         _bump(self.created, share.created, sign)
@@ -97,25 +117,25 @@ def _bump(counter: Counter[K], key: K, sign: int) -> None:
         del counter[key]
 
 
-class ModelViews:
+class ModelViews(Generic[W]):
     """Every model's view, and the counts ``/health`` reads."""
 
     def __init__(self) -> None:
-        self._views: dict[ModelName, ModelView] = {}
+        self._views: dict[ModelName, ModelView[W]] = {}
         self._shares: dict[WorkerId, tuple[Share, ...]] = {}
         self._ready: set[WorkerId] = set()
 
-    def put(self, worker: WorkerConnection) -> None:
+    def put(self, worker: W) -> None:
         """Add ``worker``'s shares, or replace the ones it had (its models or state changed)."""
         self.drop(worker)
         shares = shares_of(worker)
         self._shares[worker.id] = shares
         for share in shares:
-            self._views.setdefault(share.model, ModelView()).add(worker, share, +1)
+            self._views.setdefault(share.model, ModelView[W]()).add(worker, share, +1)
         if worker.ready:
             self._ready.add(worker.id)
 
-    def drop(self, worker: WorkerConnection) -> None:
+    def drop(self, worker: W) -> None:
         """Take ``worker``'s shares out (it left)."""
         for share in self._shares.pop(worker.id, ()):
             view = self._views[share.model]
@@ -127,10 +147,10 @@ class ModelViews:
     def models(self) -> Collection[ModelName]:
         return self._views.keys()
 
-    def view(self, model: ModelName) -> ModelView | None:
+    def view(self, model: ModelName) -> ModelView[W] | None:
         return self._views.get(model)
 
-    def serving(self, model: ModelName, endpoint: Endpoint) -> Collection[WorkerConnection]:
+    def serving(self, model: ModelName, endpoint: Endpoint) -> Collection[W]:
         """The workers serving ``model`` for ``endpoint`` (not to be iterated while the
         registry changes)."""
         view = self._views.get(model)

@@ -284,7 +284,7 @@ class Registry:
 
     def __init__(self) -> None:
         self._workers: dict[WorkerId, WorkerConnection] = {}
-        self._views = ModelViews()
+        self._views: ModelViews[WorkerConnection] = ModelViews()
 
     def add(self, conn: WorkerConnection) -> None:
         old = self._workers.get(conn.id)
@@ -318,7 +318,7 @@ class Registry:
         """The models some worker here serves."""
         return self._views.models()
 
-    def view(self, model: ModelName) -> ModelView | None:
+    def view(self, model: ModelName) -> ModelView[WorkerConnection] | None:
         """What the workers serving ``model`` add up to; None if none does."""
         return self._views.view(model)
 

@@ -1,4 +1,5 @@
-"""Strict checks that turn ``catalog.json`` into catalog dataclasses.
+"""Reading ``catalog.json`` (``load_catalog``, once per process): strict checks that turn it into
+the catalog dataclasses of ``catalog``.
 
 Every problem raises ``CatalogError`` naming the entry id and the field, so a bad regeneration
 of the data fails at import-time tests rather than as a confusing download error later.
@@ -6,7 +7,11 @@ of the data fails at import-time tests rather than as a confusing download error
 
 from __future__ import annotations
 
+import functools
+import json
+import logging
 import re
+from importlib import resources
 from typing import Any
 
 from shoal.models.catalog import (
@@ -14,6 +19,7 @@ from shoal.models.catalog import (
     CATALOG_RESOURCE,
     QUANT_PREFERENCE,
     SCHEMA_VERSION,
+    Catalog,
     CatalogEntry,
     CatalogError,
     HubSource,
@@ -22,6 +28,8 @@ from shoal.models.catalog import (
 )
 from shoal.models.default import DEFAULT_MODEL
 from shoal.models.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
 
 ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 REPO_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -180,3 +188,28 @@ def _pypi(raw: str | None, hub: HubSource) -> ModelSpec | None:
     if not any(spec.filename in q.files and spec.size == q.size_bytes for q in hub.quants):
         raise _Bad(f"pypi mirror {spec.filename} ({spec.size} bytes) is not among hub.quants")
     return spec
+
+
+def parse_catalog(text: str) -> Catalog:
+    """Parse and validate catalog JSON text; raise CatalogError naming the bad entry."""
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CatalogError(f"{CATALOG_RESOURCE} is not valid JSON: {exc}. {_FIX}") from exc
+    return Catalog(entries=parse_document(document))
+
+
+@functools.cache
+def load_catalog() -> Catalog:
+    """The catalog shipped with Shoal, read and validated once per process."""
+    resource = resources.files(__package__).joinpath(CATALOG_RESOURCE)
+    try:
+        text = resource.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise CatalogError(f"{CATALOG_RESOURCE} is missing from the shoal package. {_FIX}") from exc
+    catalog = parse_catalog(text)
+    logger.debug("loaded model catalog: %d entries", len(catalog.entries))
+    return catalog
+
+
+_FIX = "Reinstall shoal, or regenerate it with scripts/catalog/build_catalog.py."

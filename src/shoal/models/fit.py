@@ -314,7 +314,7 @@ def _mirrored(
     mirror: str,
 ) -> FitDecision:
     chosen = _named(cands, mirror)
-    if chosen is None:  # catalog_schema checks that a mirror's file is one of the entry's
+    if chosen is None:  # catalog_file checks that a mirror's file is one of the entry's
         raise ModelError(f"{entry.id}: its mirror's {mirror} is not among its quantizations")
     return _decision(chosen, budget, ctx_total, cands, requested=False, mirror=True)
 

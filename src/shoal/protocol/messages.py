@@ -34,8 +34,10 @@ from shoal.protocol.shards import (
 )
 from shoal.protocol.telemetry import GpuSample
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 """Bumped on any incompatible change; a router refuses workers that speak another version.
+12: ``Endpoint.RESPONSES``, ``MESSAGES`` and ``COUNT_TOKENS`` (OpenAI's Responses API and
+Anthropic's Messages API, carried to llama-server as the client sent them).
 11: ``Draining`` (a worker told to stop takes no new job and finishes those it runs).
 10: ``JobFailed.context_needed`` (llama-server refused the prompt as longer than its context).
 9: ``Register``/``Heartbeat.shard_devices`` (each GPU a split model may use), ``ShardStart.devices``
@@ -79,6 +81,12 @@ class Endpoint(enum.StrEnum):
     """txt2img: the job body is a ``shoal.protocol.images.ImageJob``."""
     IMAGE_EDITS = "image_edits"
     """img2img: an ``ImageJob`` with ``init_image``."""
+    RESPONSES = "responses"
+    """OpenAI's Responses API; streams are typed events (``event:`` lines) without ``[DONE]``."""
+    MESSAGES = "messages"
+    """Anthropic's Messages API; streams are Anthropic's events, ending with ``message_stop``."""
+    COUNT_TOKENS = "count_tokens"
+    """Anthropic's token count of a Messages request (no generation)."""
 
     @property
     def path(self) -> str:
@@ -87,6 +95,12 @@ class Endpoint(enum.StrEnum):
     @property
     def is_image(self) -> bool:
         return self in IMAGE_ENDPOINTS
+
+    @property
+    def typed_events(self) -> bool:
+        """Its streams are typed events that end with a last event of their own, not
+        ``data: [DONE]`` (the Responses and Messages APIs)."""
+        return self in (Endpoint.RESPONSES, Endpoint.MESSAGES)
 
     @property
     def streams_usage(self) -> bool:
@@ -100,9 +114,14 @@ _ENDPOINT_PATHS = {
     Endpoint.EMBEDDINGS: "/v1/embeddings",
     Endpoint.IMAGE_GENERATIONS: "/v1/images/generations",
     Endpoint.IMAGE_EDITS: "/v1/images/edits",
+    Endpoint.RESPONSES: "/v1/responses",
+    Endpoint.MESSAGES: "/v1/messages",
+    Endpoint.COUNT_TOKENS: "/v1/messages/count_tokens",
 }
 IMAGE_ENDPOINTS = frozenset({Endpoint.IMAGE_GENERATIONS, Endpoint.IMAGE_EDITS})
 TEXT_ENDPOINTS = frozenset(Endpoint) - IMAGE_ENDPOINTS
+AGENT_ENDPOINTS = (Endpoint.RESPONSES, Endpoint.MESSAGES, Endpoint.COUNT_TOKENS)
+"""The newer APIs a worker's own llama-server serves itself, beside chat and completions."""
 
 
 class GpuInfo(Message):
@@ -496,6 +515,7 @@ __all__ = [
     "GpuInfo",
     "GpuSample",
     "IMAGE_ENDPOINTS",
+    "AGENT_ENDPOINTS",
     "TEXT_ENDPOINTS",
     "Hardware",
     "Heartbeat",

@@ -36,12 +36,15 @@ _ROLE = b"\x1f"  # between a message's role and its content
 
 def canonical(body: Mapping[str, object]) -> bytes:
     """The request content a prefix is made of, in the order a template renders it: the
-    tools (if any), then each message's role and content; or a completion's ``prompt``."""
+    tools (if any), then each message's role and content; or a completion's ``prompt``.
+    A Messages (Anthropic) request's ``system`` and a Responses request's ``instructions``
+    come first, as a system message; a Responses request's ``input`` items are its
+    messages (an item without ``content``, such as a tool call, as a whole)."""
     out = bytearray()
     tools = body.get("tools")
     if tools:
         out += orjson.dumps(tools, option=orjson.OPT_SORT_KEYS) + _SEP
-    messages = body.get("messages")
+    messages = _messages(body)
     if isinstance(messages, list):
         for message in messages:
             if not isinstance(message, dict):
@@ -60,6 +63,27 @@ def canonical(body: Mapping[str, object]) -> bytes:
     elif prompt is not None:
         out += orjson.dumps(prompt, option=orjson.OPT_SORT_KEYS)
     return bytes(out)
+
+
+def _messages(body: Mapping[str, object]) -> object:
+    """The messages of a chat, Messages or Responses request, in the order they are
+    rendered; None for a completion."""
+    messages = body.get("messages")
+    given = body.get("input")
+    if messages is None and isinstance(given, str | list):  # the Responses API
+        items = [{"role": "user", "content": given}] if isinstance(given, str) else given
+        messages = [
+            item if not isinstance(item, dict) or "content" in item else _whole(item)
+            for item in items
+        ]
+    system = body.get("system", body.get("instructions"))
+    if system is not None and isinstance(messages, list):
+        return [{"role": "system", "content": system}, *messages]
+    return messages
+
+
+def _whole(item: Mapping[str, object]) -> dict[str, object]:
+    return {"role": item.get("type", ""), "content": item}
 
 
 def prefix_chain(model: str, body: Mapping[str, object]) -> tuple[int, ...]:

@@ -28,7 +28,7 @@ from shoal.protocol.messages import (
     JobResult,
     JobStart,
 )
-from shoal.worker import loopback
+from shoal.worker import loopback, typed_streams
 from shoal.worker.backend_errors import context_needed, error_from_body
 from shoal.worker.continuation import (
     NotResumable,
@@ -44,6 +44,7 @@ from shoal.worker.continuation import (
 )
 from shoal.worker.pinning import Pin, SlotPinning
 from shoal.worker.sink import JobSink
+from shoal.worker.typed_streams import StreamEnd, backend_body
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ class Backend:
         return (
             self.target.stream_upstream
             and not job.stream
-            and (job.endpoint is not Endpoint.EMBEDDINGS)
+            and job.endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS)
         )
 
     def _trails(self, job: JobStart) -> bool:
@@ -162,7 +163,7 @@ class Backend:
         )
 
     def _request_body(self, job: JobStart, pin: Pin | None = None) -> bytes:
-        body: dict[str, Any] = dict(job.body)
+        body: dict[str, Any] = dict(backend_body(job.endpoint, job.body))
         if pin is not None:
             body["id_slot"] = pin.slot
         if self.target.backend_model is not None:
@@ -260,6 +261,9 @@ class Backend:
         self, job: JobStart, resp: aiohttp.ClientResponse, out: JobSink, progress: _Progress
     ) -> None:
         job_id = job.job_id
+        if job.endpoint.typed_events:
+            await self._typed(job, resp, out, progress)
+            return
         if self._trails(job):
             strip = not client_wants_logprobs(job.body, job.endpoint)
             trail = TokenTrail(strip=strip, chat=job.endpoint is Endpoint.CHAT)
@@ -275,6 +279,27 @@ class Backend:
                 progress.first()
                 progress.started = True
         raise aiohttp.ClientPayloadError("the backend ended the stream without [DONE]")
+
+    async def _typed(
+        self, job: JobStart, resp: aiohttp.ClientResponse, out: JobSink, progress: _Progress
+    ) -> None:
+        """A Responses or Messages stream: its events pass on as they are, up to its last
+        event (``typed_streams``; there is no ``[DONE]``)."""
+        async for batch in sse_data(resp.content):
+            for data in batch:
+                end = typed_streams.stream_end(data)
+                if end is StreamEnd.ERROR:
+                    err = error_from_body(500, typed_streams.error_payload(data))
+                    out.send(JobFailed(job_id=job.job_id, status=500, error=err, started=True))
+                    return
+                out.chunk(job.job_id, data)
+                progress.first()
+                progress.started = True
+                if end is StreamEnd.DONE:
+                    out.send(JobDone(job_id=job.job_id))
+                    await _finish_body(resp)
+                    return
+        raise aiohttp.ClientPayloadError("the backend ended the stream before its last event")
 
     async def _go_on(
         self, job: JobStart, resume: Continuation, out: JobSink, pin: Pin | None

@@ -35,7 +35,9 @@ from shoal.worker.slots import SLOT_MAX_BLOCKS, SlotTable
 
 log = logging.getLogger(__name__)
 
-PINNED = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
+PINNED = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES})
+"""The endpoints whose requests llama-server runs in the slot ``id_slot`` names (its
+Anthropic converter drops the field: a Messages request goes where llama-server puts it)."""
 MEASURE_PROMPT = " ".join(
     f"Item {i} of the inventory is stored on shelf {i % 7}." for i in range(10)
 )

@@ -36,7 +36,7 @@ from shoal.models.resolve import FitContext, LocalModel, resolve_model
 from shoal.models.store_client import fetch_from_store, fetch_ranges, request_pull
 from shoal.paths import logs_dir, models_dir
 from shoal.protocol.ids import ModelName
-from shoal.protocol.messages import Endpoint, ModelFile, ModelInfo, ShardStart
+from shoal.protocol.messages import AGENT_ENDPOINTS, Endpoint, ModelFile, ModelInfo, ShardStart
 from shoal.worker import hardware
 from shoal.worker.image_plan import serves_images
 from shoal.worker.link import Refusal, client_tls_context
@@ -85,7 +85,7 @@ def plan(
     endpoints = (
         (Endpoint.EMBEDDINGS,) if settings.embedding else (Endpoint.CHAT, Endpoint.COMPLETIONS)
     )
-    if settings.backend_url:
+    if settings.backend_url:  # chat and completions only: what else it serves is unknown
         alias = settings.model_alias or settings.backend_model or settings.model or "default"
         return Plan(
             ModelInfo(
@@ -123,7 +123,7 @@ def plan(
     )
     info = ModelInfo(
         name=ModelName(alias),
-        endpoints=endpoints,
+        endpoints=endpoints if settings.embedding else (*endpoints, *AGENT_ENDPOINTS),
         context_length=settings.ctx_size,
         backend="llama-server",
     )

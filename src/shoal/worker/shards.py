@@ -46,7 +46,7 @@ from shoal.llama_cpp.devices import ComputeDevice
 from shoal.llama_cpp.load_log import placement
 from shoal.llama_cpp.rpc_cache import RpcCache
 from shoal.models.errors import ModelError
-from shoal.protocol.messages import BackendState, Endpoint, Message, ModelInfo
+from shoal.protocol.messages import AGENT_ENDPOINTS, BackendState, Endpoint, Message, ModelInfo
 from shoal.protocol.shards import (
     DevicePlacement,
     SeedReport,
@@ -159,7 +159,7 @@ class ShardHost:
         return tuple(
             ModelInfo(
                 name=s.spec.model,
-                endpoints=(Endpoint.CHAT, Endpoint.COMPLETIONS),
+                endpoints=(Endpoint.CHAT, Endpoint.COMPLETIONS, *AGENT_ENDPOINTS),
                 context_length=s.spec.ctx_size // s.spec.slots,
                 backend=f"llama-server --rpc ({s.spec.deployment})",
             )

@@ -15,7 +15,8 @@ from typing import Any, TypeGuard
 import orjson
 from starlette.datastructures import Headers
 
-from shoal.protocol.messages import Endpoint
+from shoal.protocol.messages import AGENT_ENDPOINTS, Endpoint
+from shoal.router.agent_requests import check_agent_body
 from shoal.router.errors import BadRequest, PayloadTooLarge
 from shoal.router.settings import RouterSettings
 
@@ -23,6 +24,14 @@ REQUIRED_FIELD = {
     Endpoint.CHAT: "messages",
     Endpoint.COMPLETIONS: "prompt",
     Endpoint.EMBEDDINGS: "input",
+    Endpoint.RESPONSES: "input",
+    Endpoint.MESSAGES: "messages",
+    Endpoint.COUNT_TOKENS: "messages",
+}
+_MESSAGE_LISTS = frozenset({Endpoint.CHAT, Endpoint.MESSAGES, Endpoint.COUNT_TOKENS})
+_NOT_STREAMED = {
+    Endpoint.EMBEDDINGS: "Embeddings cannot be streamed.",
+    Endpoint.COUNT_TOKENS: "A token count cannot be streamed.",
 }
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
 """The OpenAI names for the most tokens to generate."""
@@ -81,15 +90,18 @@ def check_body(
     required = REQUIRED_FIELD[endpoint]
     if required not in body:
         raise BadRequest(f"'{required}' is required for {endpoint.path}.", param=required)
-    if endpoint is Endpoint.CHAT:
+    if endpoint in _MESSAGE_LISTS:
         _check_messages(body["messages"], limits.max_messages)
+    if endpoint is Endpoint.CHAT:
         _check_tools(body.get("tools"))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false.", param="stream")
+    if stream and endpoint in _NOT_STREAMED:
+        raise BadRequest(_NOT_STREAMED[endpoint], param="stream")
+    if endpoint in AGENT_ENDPOINTS:
+        return CheckedRequest(model, stream, check_agent_body(endpoint, body, limits.max_tokens))
     if endpoint is Endpoint.EMBEDDINGS:
-        if stream:
-            raise BadRequest("Embeddings cannot be streamed.", param="stream")
         return CheckedRequest(model, stream, body)
     _check_choices(body.get("n"))
     return CheckedRequest(model, stream, _check_tokens(body, limits.max_tokens))

@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from shoal.protocol.ids import ModelName
-from shoal.protocol.messages import Endpoint, ErrorBody
+from shoal.protocol.messages import AGENT_ENDPOINTS, Endpoint, ErrorBody
 from shoal.router.dispatch import need
 from shoal.router.dispatch.directory import RemoteWorker
 from shoal.router.dispatch.job import Job, JobState, Submission
@@ -35,12 +35,22 @@ def never_away(model: ModelName) -> str | None:
 
 def unsupported_endpoint(model: ModelName, endpoint: Endpoint) -> BadRequest:
     """The 400 for a model that is served, but not for this endpoint."""
-    flag = " (start a worker with --embedding)" if endpoint is Endpoint.EMBEDDINGS else ""
+    flag = _HINTS.get(endpoint, "")
     return BadRequest(
         f"The model {model!r} is not served for {endpoint.path}{flag}.",
         param="model",
         code="unsupported_endpoint",
     )
+
+
+_HINTS = {
+    Endpoint.EMBEDDINGS: " (start a worker with --embedding)",
+    **dict.fromkeys(
+        AGENT_ENDPOINTS,
+        " (workers serve it from their own llama-server; a worker attached to a server with "
+        "--backend-url serves chat and completions only)",
+    ),
+}
 
 
 def check_served(

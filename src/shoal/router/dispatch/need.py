@@ -45,11 +45,13 @@ text is at least ``n / MAX_TOKEN_BYTES`` tokens. The default model's longest is 
 (a newline and 80 spaces); the BPE vocabularies of large models stay within 128 (runs of
 spaces, ``=``, ``-`` and ``#``)."""
 
-OUTPUT_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
+OUTPUT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n_predict")
 """Where a request says how many tokens it may generate (``n_predict``: llama-server's own
-name; -1 there means no limit)."""
+name; -1 there means no limit; ``max_output_tokens``: the Responses API's)."""
 
-CONTEXT_ENDPOINTS = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
+CONTEXT_ENDPOINTS = frozenset(
+    {Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES, Endpoint.MESSAGES}
+)
 """The endpoints whose requests hold a slot's context; others (embeddings, images) need
 none the router can bound."""
 
@@ -93,6 +95,8 @@ def need_of(endpoint: Endpoint, body: Mapping[str, object]) -> Need:
         return NO_NEED
     if endpoint is Endpoint.CHAT:
         text, tokens = _chat_bytes(body), 0
+    elif endpoint in (Endpoint.RESPONSES, Endpoint.MESSAGES):
+        text, tokens = _text_bytes(body), 0
     else:
         text, tokens = _longest_prompt(body.get("prompt"))
     output, field = _output(body)
@@ -101,7 +105,18 @@ def need_of(endpoint: Endpoint, body: Mapping[str, object]) -> Need:
 
 def prompt_field(endpoint: Endpoint) -> str:
     """Where a request to ``endpoint`` has its prompt (an error's ``param``)."""
-    return "messages" if endpoint is Endpoint.CHAT else "prompt"
+    return _PROMPT_FIELDS.get(endpoint, "prompt")
+
+
+_PROMPT_FIELDS = {
+    Endpoint.CHAT: "messages",
+    Endpoint.MESSAGES: "messages",
+    Endpoint.RESPONSES: "input",
+}
+_TEXT_FIELDS = ("tools", "system", "instructions", "messages", "input")
+"""Where a Responses or Messages request has the text its prompt is made of."""
+_NOT_TEXT = frozenset({"source", "image_url", "file_data", "data"})
+"""Fields whose strings are not rendered as text (images and files)."""
 
 
 def largest(contexts: Iterable[int | None]) -> int | None:
@@ -145,6 +160,23 @@ def _chat_bytes(body: Mapping[str, object]) -> int:
         if calls:
             size += len(orjson.dumps(calls))
     return size
+
+
+def _text_bytes(body: Mapping[str, object]) -> int:
+    """The text of a Responses or Messages request, in bytes: every string in its tools,
+    system prompt and messages or input items (names and types included; keys, images and
+    files not), each of which its template renders."""
+    return sum(_strings(body.get(name)) for name in _TEXT_FIELDS)
+
+
+def _strings(value: object) -> int:
+    if isinstance(value, str):
+        return len(value.encode())
+    if isinstance(value, list):
+        return sum(_strings(item) for item in value)
+    if isinstance(value, dict):
+        return sum(_strings(v) for k, v in value.items() if k not in _NOT_TEXT)
+    return 0
 
 
 def _content_bytes(content: object) -> int:

@@ -59,7 +59,7 @@ from shoal.router.dispatch.workers import Registry, WorkerConnection
 
 log = logging.getLogger(__name__)
 
-PREFIXED = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
+PREFIXED = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES, Endpoint.MESSAGES})
 """The endpoints whose prompt a llama-server slot keeps."""
 
 PREEMPTED = "preempted"

@@ -220,6 +220,11 @@ def async_job_cancel_channel(prefix: str) -> str:
     return f"{prefix}ajobs:cancelled"
 
 
+def stored_response_key(prefix: str, response_id: str) -> str:
+    """A stored response of the Responses API (``store: true``), with its conversation."""
+    return f"{prefix}resp:{response_id}"
+
+
 def cache_entry_key(prefix: str, key: str) -> str:
     """One cached answer of the result cache."""
     return f"{prefix}cache:{key}"

@@ -53,6 +53,7 @@ from shoal.router.dispatch.memory import MemoryDispatcher
 from shoal.router.dispatch.redis import RedisDispatcher, consumer_name
 from shoal.router.dispatch.workers import Registry
 from shoal.router.observe.metrics import Metrics, RequestMetrics
+from shoal.router.response_store import MemoryResponseStore, RedisResponseStore, ResponseStore
 from shoal.router.routes import (
     autoscaling,
     dashboard,
@@ -68,6 +69,7 @@ from shoal.router.routes import jobs as jobs_routes
 from shoal.router.routes import metrics as metrics_routes
 from shoal.router.routes.context import RouterContext
 from shoal.router.routes.snapshot import snapshot
+from shoal.router.routes import responses as responses_routes
 from shoal.router.settings import RouterSettings
 from shoal.settings import CLIENT_KEY_VARIABLE, flag_and_variable
 
@@ -139,6 +141,7 @@ def build_app(settings: RouterSettings, store: KeyStore | None = None) -> infere
         jobs=jobs_service(settings, shared, dispatcher),
         cache=result_cache(settings, shared),
         deployments=deployments,
+        responses=response_store(settings, shared),
     )
     app.state.ctx = ctx
     app.state.metrics = metrics
@@ -146,6 +149,7 @@ def build_app(settings: RouterSettings, store: KeyStore | None = None) -> infere
     errors.install(app)
     for module in (
         inference,
+        responses_routes,
         images,
         models,
         health,
@@ -290,6 +294,14 @@ def jobs_service(
     )
     run = dispatcher_runner(dispatcher, settings.job_timeout)
     return JobsService(store, run, max_active=settings.job_max_active)
+
+
+def response_store(settings: RouterSettings, shared: redis.asyncio.Redis | None) -> ResponseStore:
+    """Stored responses (``store: true``): in Redis (every router's) or in this process; kept
+    ``--job-ttl`` like async jobs' results."""
+    if shared is not None:
+        return RedisResponseStore(shared, settings.redis_prefix, settings.job_ttl)
+    return MemoryResponseStore(settings.job_ttl)
 
 
 def result_cache(

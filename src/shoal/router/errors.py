@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -106,7 +107,8 @@ class UpstreamError(RouterError):
 
 _UNKNOWN_PATH = (
     "Unknown path {path}. Shoal serves /v1/chat/completions, /v1/completions, "
-    "/v1/embeddings, /v1/images/generations, /v1/images/edits and /v1/models."
+    "/v1/embeddings, /v1/responses, /v1/messages, /v1/messages/count_tokens, "
+    "/v1/images/generations, /v1/images/edits and /v1/models."
 )
 
 
@@ -116,12 +118,16 @@ def new_request_id() -> str:
 
 
 def error_reply(
-    exc: ApiError, request_id: str | None = None, worker_id: str | None = None
+    exc: ApiError,
+    request_id: str | None = None,
+    worker_id: str | None = None,
+    render: Callable[[ApiError], Response] = error_response,
 ) -> Response:
     """``exc`` as the router answers it: with ``x-request-id`` (the job's id, or a new one for
     a request refused before it was queued; the job id is in the logs) and, when a worker
-    answered with the error, ``x-shoal-worker``, like every answer."""
-    response = error_response(exc)
+    answered with the error, ``x-shoal-worker``, like every answer. ``render``: the error's
+    body and status in the request's API (``dialects``: OpenAI's, unless it is Anthropic's)."""
+    response = render(exc)
     response.headers[REQUEST_ID] = request_id or new_request_id()
     if worker_id:
         response.headers[WORKER_ID] = worker_id

@@ -133,7 +133,10 @@ class KeyCheck:
                 f"Create one with `shoal keys create --scope {scopes[0].value}`."
             )
         if presented is None:
-            raise Unauthorized(f"No {kind} key given. Send it as 'Authorization: Bearer YOUR_KEY'.")
+            raise Unauthorized(
+                f"No {kind} key given. Send it as 'Authorization: Bearer YOUR_KEY' "
+                "(or 'x-api-key: YOUR_KEY')."
+            )
         if isinstance(known, KeyRecord):  # named by its label: never the secret
             log.debug(
                 "key %s (%s%s) refused where %s is needed",

@@ -14,6 +14,7 @@ from shoal.router.async_jobs.service import JobsService
 from shoal.router.deployments.controller import Deployments
 from shoal.router.dispatch.interface import Dispatcher
 from shoal.router.dispatch.workers import Registry
+from shoal.router.response_store import ResponseStore
 from shoal.router.settings import RouterSettings
 
 
@@ -32,6 +33,8 @@ class RouterContext:
     """The result cache; None when --cache is off."""
     deployments: Deployments
     """The controller of the models split over workers."""
+    responses: ResponseStore
+    """Responses stored with ``store: true`` (the Responses API), in memory or Redis."""
 
 
 def context(conn: HTTPConnection) -> RouterContext:

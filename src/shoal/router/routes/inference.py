@@ -10,6 +10,7 @@ request schemas are what tests/e2e/test_fuzz.py fuzzes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -21,7 +22,10 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from shoal.protocol.messages import Endpoint
+from shoal.protocol.messages import AGENT_ENDPOINTS, Endpoint
+from shoal.router import stored_responses
+from shoal.router.dialects import dialect_of
+from shoal.router.dispatch.job import JobState
 from shoal.router.admission.requests import (
     MAX_CHOICES,
     TOKEN_FIELDS,
@@ -46,8 +50,14 @@ async def submit(ctx: RouterContext, endpoint: Endpoint, headers: Headers, raw: 
     principal = await ctx.keys.client(headers)
     limits = RequestLimits.of(ctx.settings)
     checked = check_body(endpoint, json_body(raw), ctx.settings.default_model, limits)
+    keeper = None
+    if endpoint is Endpoint.RESPONSES:  # a follow-up made whole; what keeps store: true
+        body, keeper = await stored_responses.prepare(ctx.responses, principal.key_id, checked.body)
+        checked = dataclasses.replace(checked, body=body)
     fill = None
-    if ctx.cache is not None:  # hits are answered here and cost the key nothing
+    dialect = dialect_of(endpoint)
+    if ctx.cache is not None and keeper is None and (dialect.caches_streams or not checked.stream):
+        # hits are answered here and cost the key nothing
         key = cache_key(checked.model, endpoint, checked.body, scope=principal.key_id)
         policy = cache_policy(headers)
         if key is not None and policy.read and (hit := await ctx.cache.get(key)) is not None:
@@ -68,13 +78,20 @@ async def submit(ctx: RouterContext, endpoint: Endpoint, headers: Headers, raw: 
         # set the response up while the worker starts the job, not before.
         await asyncio.sleep(0)
     return JobResponse(
-        job, ctx.dispatcher, ctx.accounting, ticket, fill, timeout=ctx.settings.job_timeout
+        job,
+        ctx.dispatcher,
+        ctx.accounting,
+        ticket,
+        fill,
+        timeout=ctx.settings.job_timeout,
+        dialect=dialect,
+        keep=keeper.keep if keeper is not None else None,
     )
 
 
 def _reserve(body: dict[str, Any]) -> int:
     """Tokens to hold against a tokens/min limit until the answer's real count is known."""
-    for field in ("max_completion_tokens", "max_tokens"):
+    for field in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
         value = body.get(field)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
@@ -91,14 +108,15 @@ async def run(request: Request, endpoint: Endpoint) -> Response:
 
 
 FAST_PATHS = {
-    "/v1/chat/completions": Endpoint.CHAT,
-    "/v1/completions": Endpoint.COMPLETIONS,
-    "/v1/embeddings": Endpoint.EMBEDDINGS,
+    endpoint.path: endpoint
+    for endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.EMBEDDINGS, *AGENT_ENDPOINTS)
 }
+"""The POSTs served here; the Responses and Messages APIs only here (they are not in the
+OpenAPI document: it describes OpenAI's own API)."""
 
 
 class FastPath:
-    """Serves the three inference POSTs as plain ASGI, ahead of FastAPI's middleware stack.
+    """Serves the inference POSTs as plain ASGI, ahead of FastAPI's middleware stack.
 
     Every streamed chunk would otherwise pass through five middleware ``send`` wrappers.
     The FastAPI routes below stay the documented (OpenAPI) form of the same endpoints and
@@ -120,12 +138,13 @@ class FastPath:
             raw = await read_body(_chunks(receive), headers, self.ctx.settings.max_body_bytes)
             response: Response = await submit(self.ctx, endpoint, headers, raw)
         except RouterError as exc:
-            response = error_reply(exc)
+            response = error_reply(exc, render=dialect_of(endpoint).error_response)
         except ClientDisconnected:
             return
         except Exception:  # the one place the fast path turns a bug into a clean 500
             log.exception("unhandled error on POST %s", scope["path"])
-            response = error_reply(RouterError("Internal error in the router; see its log."))
+            bug = RouterError("Internal error in the router; see its log.")
+            response = error_reply(bug, render=dialect_of(endpoint).error_response)
         try:
             await response(scope, receive, send)
         finally:

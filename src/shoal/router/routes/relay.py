@@ -11,9 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
-import orjson
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
@@ -22,6 +21,7 @@ from shoal.protocol.messages import ErrorBody
 from shoal.router.admission.accounting import Accounting, Ticket
 from shoal.router.admission.result_cache.interface import CacheFill
 from shoal.router.admission.usage import asks_usage, cached_of, for_client, tokens_of
+from shoal.router.dialects import Dialect
 from shoal.router.dispatch.interface import Dispatcher
 from shoal.router.dispatch.job import Job
 from shoal.router.errors import (
@@ -30,7 +30,6 @@ from shoal.router.errors import (
     JobTimedOut,
     RouterError,
     UpstreamError,
-    error_payload,
     error_reply,
 )
 
@@ -42,7 +41,6 @@ _SSE_HEADERS = [
     (b"x-accel-buffering", b"no"),
 ]
 _JSON_HEADERS = [(b"content-type", b"application/json")]
-_DONE = b"data: [DONE]\n\n"
 
 
 class ClientGone(Exception):
@@ -59,9 +57,16 @@ class JobResponse(Response):
         fill: CacheFill | None = None,
         *,
         timeout: float = 0.0,
+        dialect: Dialect | None = None,
+        keep: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         super().__init__()
         self.job = job
+        self.dialect = dialect or Dialect()
+        """How the job's API frames its events and errors and counts its tokens."""
+        self.keep = keep
+        """Stores the answer once it completed (a response asked for with ``store: true``),
+        before the client has its last bytes."""
         self.dispatcher = dispatcher
         self.accounting = accounting
         self.ticket = ticket
@@ -90,11 +95,11 @@ class JobResponse(Response):
             log.info("job %s model=%s: client connection broke", self.job.id, self.job.model)
         finally:
             self.dispatcher.cancel(self.job, "client disconnected")
-            tokens = tokens_of(self.answer) if self.answer else None
+            tokens = self.dialect.tokens(self.answer) if self.answer else None
             if tokens is not None:  # its key's share is corrected by what it really cost
                 self.dispatcher.settle(self.job, sum(tokens))
             if self.accounting is not None and self.ticket is not None:
-                cached = cached_of(self.answer) if self.answer else None
+                cached = self.dialect.cached(self.answer) if self.answer else None
                 await self.accounting.finish(self.ticket, self.job, tokens, cached)
 
     async def _respond_in_time(self, scope: Scope, send: Send) -> None:
@@ -126,7 +131,7 @@ class JobResponse(Response):
         if not sent.started:
             await self._refuse(scope, sent, error)
         elif not sent.complete:  # a stream gets the error event; a body cut short, its end
-            body = _error_bytes(error) if sent.sse else b""
+            body = self.dialect.error_event(error) if sent.sse else b""
             await sent({"type": "http.response.body", "body": body})
 
     async def _respond(self, scope: Scope, send: Send) -> None:
@@ -151,6 +156,7 @@ class JobResponse(Response):
             return
         if isinstance(first, Result):
             self.answer = first.body
+            await self._kept(first.body)
             await self._start(send, 200, _JSON_HEADERS)
             await send({"type": "http.response.body", "body": first.body.encode()})
             if self.fill is not None:
@@ -162,7 +168,7 @@ class JobResponse(Response):
 
     async def _refuse(self, scope: Scope, send: Send, exc: RouterError) -> None:
         """An error instead of an answer, with the job's id (and its worker's, if it had one)."""
-        response = error_reply(exc, self.job.id, self.job.worker_id)
+        response = error_reply(exc, self.job.id, self.job.worker_id, self.dialect.error_response)
         self.status_code = response.status_code
         await response(scope, _no_receive, send)
 
@@ -198,7 +204,7 @@ class JobResponse(Response):
                 await _send_more(send, f": queued position={place}\n\n".encode())
             first = await self._next_answer()
         except RouterError as exc:
-            await send({"type": "http.response.body", "body": _error_bytes(exc)})
+            await send({"type": "http.response.body", "body": self.dialect.error_event(exc)})
             return
         if self.job.worker_id:
             await _send_more(send, f": worker={self.job.worker_id}\n\n".encode())
@@ -218,6 +224,8 @@ class JobResponse(Response):
         while True:
             buf, end = self._encode(pending)
             if end is not None:
+                if isinstance(end, Done) and self.answer is not None:
+                    await self._kept(self.answer)
                 await send({"type": "http.response.body", "body": bytes(buf)})
                 if isinstance(end, Done) and self.fill is not None:
                     await self.fill.finish_stream()
@@ -235,6 +243,15 @@ class JobResponse(Response):
             pending = [await events.get()]
             while not events.empty():
                 pending.append(events.get_nowait())
+
+    async def _kept(self, answer: str) -> None:
+        """``keep`` the completed answer; one the store cannot take is answered all the same."""
+        if self.keep is None:
+            return
+        try:
+            await self.keep(answer)
+        except RouterError as exc:
+            log.warning("job %s model=%s: answer not stored: %s", self.job.id, self.job.model, exc)
 
     async def _going_on(self) -> bool:
         """The answer's worker was lost mid-answer and it waits to go on elsewhere: until a
@@ -259,25 +276,14 @@ class JobResponse(Response):
                     continue
                 if self.fill is not None:
                     self.fill.data(data)
-                buf += b"data: "
-                buf += data.encode()
-                buf += b"\n\n"
+                buf += self.dialect.event(data)
             elif isinstance(event, Done):
-                buf += _DONE
+                buf += self.dialect.done
                 return buf, event
             elif isinstance(event, Failed):
-                buf += b"data: " + _error_event(event.error) + b"\n\n"
+                buf += self.dialect.error_event(UpstreamError(500, event.error))
                 return buf, event
         return buf, None
-
-
-def _error_event(error: ErrorBody) -> bytes:
-    return orjson.dumps(error_payload(UpstreamError(500, error)))
-
-
-def _error_bytes(exc: RouterError) -> bytes:
-    """A refusal as the SSE error event of a stream that has already started."""
-    return b"data: " + orjson.dumps(error_payload(exc)) + b"\n\n"
 
 
 class _Sent:

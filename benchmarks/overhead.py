@@ -19,6 +19,12 @@ decide the TTFT median by which path happened to see a prompt first.
 
     python benchmarks/overhead.py                                  # 1 and 8 streams, 12 rounds
     python benchmarks/overhead.py --model-path m.gguf --results-name overhead-gpu
+    python benchmarks/overhead.py --api messages --results-name overhead-messages
+
+``--api messages`` streams Anthropic's ``/v1/messages`` instead of chat completions, on the
+``own`` backend only (a worker attached with ``--backend-url`` serves chat and completions
+only); llama-server's Anthropic converter drops ``ignore_eos``, so an answer may end before
+``--tokens``, alike on both paths (the same prompt at temperature 0).
 
 Targets (issue 25): added TTFT p50 <= 1 ms at 1 stream and <= 3 ms at 8, added inter-chunk
 gap p50 <= 0.3 ms, throughput >= 0.98x direct.
@@ -85,9 +91,23 @@ def own_llama_server(router_url: str, model: str) -> str:
 
 
 @dataclass(frozen=True)
+class Api:
+    path: str
+    token: bytes
+    """What a ``data:`` line that carries generated text contains."""
+
+
+APIS = {
+    "chat": Api("/v1/chat/completions", b'"content":"'),
+    "messages": Api("/v1/messages", b'"text_delta"'),
+}
+
+
+@dataclass(frozen=True)
 class Target:
     url: str
     model: str
+    api: str = "chat"
 
 
 @dataclass
@@ -106,12 +126,13 @@ async def one(
         "stream": True,
         "max_tokens": tokens,
         "temperature": 0,
-        "ignore_eos": True,
         "messages": [{"role": "user", "content": prompt}],
     }
+    if target.api == "chat":
+        body["ignore_eos"] = True
     for attempt in range(3):
         try:
-            return await _one(session, target.url, body, out)
+            return await _one(session, target.url, body, out, APIS[target.api].token)
         except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
             # A pooled connection the server had already closed: count it, try once more.
             out.reconnects += 1
@@ -122,7 +143,7 @@ async def one(
 
 
 async def _one(
-    session: aiohttp.ClientSession, url: str, body: dict[str, object], out: Samples
+    session: aiohttp.ClientSession, url: str, body: dict[str, object], out: Samples, token: bytes
 ) -> int:
     t0 = time.perf_counter()
     last = 0.0
@@ -133,8 +154,8 @@ async def _one(
             if not line.startswith(b"data: {"):
                 continue
             now = time.perf_counter()
-            if b'"content":"' not in line:
-                continue  # role header and the final empty delta carry no token
+            if token not in line:
+                continue  # role header, block starts and the end carry no token
             if count == 0:
                 out.ttft_ms.append((now - t0) * 1e3)
             else:
@@ -193,6 +214,9 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument(
+        "--api", choices=sorted(APIS), default="chat", help="The API whose streams are measured."
+    )
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument(
@@ -325,20 +349,23 @@ def main() -> None:
     with processes(logs) as procs:
         model, attached = start_cluster(procs, args, router, slots)
         own = own_llama_server(router, "bench-own")
+        path = APIS[args.api].path
         targets = {
             "own": {
-                "direct": Target(own + "/v1/chat/completions", "bench-own"),
-                "router": Target(router + "/v1/chat/completions", "bench-own"),
+                "direct": Target(own + path, "bench-own", args.api),
+                "router": Target(router + path, "bench-own", args.api),
             },
             "attached": {
-                "direct": Target(attached + "/v1/chat/completions", "bench-attached"),
-                "router": Target(router + "/v1/chat/completions", "bench-attached"),
+                "direct": Target(attached + path, "bench-attached", args.api),
+                "router": Target(router + path, "bench-attached", args.api),
             },
         }
+        if args.api != "chat":
+            del targets["attached"]
         for c in args.concurrency:
             print(
                 f"{c} streams: {args.rounds} rounds of {c} x {args.tokens} tokens on each of "
-                "4 paths ...",
+                f"{2 * len(targets)} paths ({path}) ...",
                 flush=True,
             )
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

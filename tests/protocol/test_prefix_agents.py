@@ -29,3 +29,16 @@ def test_the_system_prompt_comes_first() -> None:
     assert canonical(anthropic) == canonical(chat)
     responses = {"instructions": "S", "input": "hi"}
     assert canonical(responses) == canonical(chat)
+
+
+def test_content_nested_too_deep_to_write_counts_as_nothing() -> None:
+    """orjson writes at most 255 levels; the router must not fail on a body it parsed."""
+    deep: object = "x"
+    for _ in range(300):
+        deep = [deep]
+    for body in (
+        {"messages": [{"role": "user", "content": deep}]},
+        {"input": [{"role": "user", "content": deep}]},
+        {"prompt": deep},
+    ):
+        assert canonical(body) in (b"user\x1f\x1e", b"")

@@ -43,7 +43,7 @@ def canonical(body: Mapping[str, object]) -> bytes:
     out = bytearray()
     tools = body.get("tools")
     if tools:
-        out += orjson.dumps(tools, option=orjson.OPT_SORT_KEYS) + _SEP
+        out += _dumps(tools) + _SEP
     messages = _messages(body)
     if isinstance(messages, list):
         for message in messages:
@@ -54,15 +54,24 @@ def canonical(body: Mapping[str, object]) -> bytes:
             if isinstance(content, str):
                 out += content.encode()
             elif content is not None:
-                out += orjson.dumps(content, option=orjson.OPT_SORT_KEYS)
+                out += _dumps(content)
             out += _SEP
         return bytes(out)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         out += prompt.encode()
     elif prompt is not None:
-        out += orjson.dumps(prompt, option=orjson.OPT_SORT_KEYS)
+        out += _dumps(prompt)
     return bytes(out)
+
+
+def _dumps(value: object) -> bytes:
+    """``value``'s canonical JSON; nothing for a value nested deeper than orjson writes (255
+    levels: no template renders such a thing, and llama-server refuses it)."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except TypeError:  # orjson.JSONEncodeError: "Recursion limit reached"
+        return b""
 
 
 def _messages(body: Mapping[str, object]) -> object:

@@ -170,13 +170,18 @@ def _text_bytes(body: Mapping[str, object]) -> int:
 
 
 def _strings(value: object) -> int:
-    if isinstance(value, str):
-        return len(value.encode())
-    if isinstance(value, list):
-        return sum(_strings(item) for item in value)
-    if isinstance(value, dict):
-        return sum(_strings(v) for k, v in value.items() if k not in _NOT_TEXT)
-    return 0
+    """The bytes of every string in ``value`` (walked without recursion: a body may nest as
+    deep as the JSON parser allows)."""
+    size, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            size += len(item.encode())
+        elif isinstance(item, list):
+            stack += item
+        elif isinstance(item, dict):
+            stack += [v for k, v in item.items() if k not in _NOT_TEXT]
+    return size
 
 
 def _content_bytes(content: object) -> int:

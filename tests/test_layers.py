@@ -44,7 +44,7 @@ LAYERS: Mapping[str, Layers] = {
     "shoal.router": (
         ("app",),  # the composition root
         ("routes",),
-        ("admission", "async_jobs", "deployments"),
+        ("admission", "async_jobs", "deployments", "responses"),
         ("dispatch",),
         ("observe",),
         ("settings", "errors"),

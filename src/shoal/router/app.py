@@ -53,7 +53,9 @@ from shoal.router.dispatch.memory import MemoryDispatcher
 from shoal.router.dispatch.redis import RedisDispatcher, consumer_name
 from shoal.router.dispatch.workers import Registry
 from shoal.router.observe.metrics import Metrics, RequestMetrics
-from shoal.router.response_store import MemoryResponseStore, RedisResponseStore, ResponseStore
+from shoal.router.responses.store.interface import ResponseStore
+from shoal.router.responses.store.memory import MemoryResponseStore
+from shoal.router.responses.store.redis import RedisResponseStore
 from shoal.router.routes import (
     autoscaling,
     dashboard,
@@ -67,9 +69,9 @@ from shoal.router.routes import (
 from shoal.router.routes import deployments as deployments_routes
 from shoal.router.routes import jobs as jobs_routes
 from shoal.router.routes import metrics as metrics_routes
+from shoal.router.routes import responses as responses_routes
 from shoal.router.routes.context import RouterContext
 from shoal.router.routes.snapshot import snapshot
-from shoal.router.routes import responses as responses_routes
 from shoal.router.settings import RouterSettings
 from shoal.settings import CLIENT_KEY_VARIABLE, flag_and_variable
 

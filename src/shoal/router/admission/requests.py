@@ -16,7 +16,7 @@ import orjson
 from starlette.datastructures import Headers
 
 from shoal.protocol.messages import AGENT_ENDPOINTS, Endpoint
-from shoal.router.agent_requests import check_agent_body
+from shoal.router.admission.agent_requests import check_agent_body
 from shoal.router.errors import BadRequest, PayloadTooLarge
 from shoal.router.settings import RouterSettings
 

@@ -14,7 +14,7 @@ from shoal.router.async_jobs.service import JobsService
 from shoal.router.deployments.controller import Deployments
 from shoal.router.dispatch.interface import Dispatcher
 from shoal.router.dispatch.workers import Registry
-from shoal.router.response_store import ResponseStore
+from shoal.router.responses.store.interface import ResponseStore
 from shoal.router.settings import RouterSettings
 
 

@@ -23,9 +23,6 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from shoal.protocol.messages import AGENT_ENDPOINTS, Endpoint
-from shoal.router import stored_responses
-from shoal.router.dialects import dialect_of
-from shoal.router.dispatch.job import JobState
 from shoal.router.admission.requests import (
     MAX_CHOICES,
     TOKEN_FIELDS,
@@ -37,8 +34,10 @@ from shoal.router.admission.requests import (
 from shoal.router.admission.result_cache.interface import CacheFill, cache_key, cache_policy, replay
 from shoal.router.dispatch.job import JobState
 from shoal.router.errors import BadRequest, RouterError, error_reply
+from shoal.router.responses import follow_ups as stored_responses
 from shoal.router.routes.common import admit_and_submit
 from shoal.router.routes.context import RouterContext, context
+from shoal.router.routes.dialects import dialect_of
 from shoal.router.routes.relay import JobResponse
 
 log = logging.getLogger(__name__)

@@ -17,11 +17,9 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from shoal.jobs.events import ClientEvent, Data, Done, Failed, Requeued, Result, worker_lost
-from shoal.protocol.messages import ErrorBody
 from shoal.router.admission.accounting import Accounting, Ticket
 from shoal.router.admission.result_cache.interface import CacheFill
-from shoal.router.admission.usage import asks_usage, cached_of, for_client, tokens_of
-from shoal.router.dialects import Dialect
+from shoal.router.admission.usage import asks_usage, for_client
 from shoal.router.dispatch.interface import Dispatcher
 from shoal.router.dispatch.job import Job
 from shoal.router.errors import (
@@ -32,6 +30,7 @@ from shoal.router.errors import (
     UpstreamError,
     error_reply,
 )
+from shoal.router.routes.dialects import Dialect
 
 log = logging.getLogger(__name__)
 

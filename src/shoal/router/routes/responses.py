@@ -8,8 +8,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from shoal.router.context import context
-from shoal.router.stored_responses import find
+from shoal.router.responses.follow_ups import find
+from shoal.router.routes.context import context
 
 router = APIRouter()
 

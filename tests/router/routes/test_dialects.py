@@ -7,7 +7,6 @@ import pytest
 
 from shoal.api_errors import ApiError
 from shoal.protocol.messages import Endpoint, ErrorBody
-from shoal.router.dialects import Dialect, Messages, Responses, anthropic_error, dialect_of
 from shoal.router.errors import (
     BadRequest,
     ModelNotFound,
@@ -18,6 +17,7 @@ from shoal.router.errors import (
     UpstreamError,
     WorkerLost,
 )
+from shoal.router.routes.dialects import Dialect, Messages, Responses, anthropic_error, dialect_of
 
 
 def _events(raw: bytes) -> list[tuple[str | None, dict[str, object]]]:

@@ -10,13 +10,10 @@ import pytest
 import redis.asyncio as aioredis
 
 from shoal.router.errors import NotFound
-from shoal.router.response_store import (
-    MemoryResponseStore,
-    RedisResponseStore,
-    ResponseStore,
-    StoredResponse,
-)
-from shoal.router.stored_responses import follow_up, input_items, prepare, stored_of
+from shoal.router.responses.follow_ups import follow_up, input_items, prepare, stored_of
+from shoal.router.responses.store.interface import ResponseStore, StoredResponse
+from shoal.router.responses.store.memory import MemoryResponseStore
+from shoal.router.responses.store.redis import RedisResponseStore
 
 ANSWER = {
     "id": "resp_1",

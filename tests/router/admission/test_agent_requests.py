@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 
 from shoal.protocol.messages import Endpoint
+from shoal.router.admission.requests import RequestLimits, check_body
 from shoal.router.dispatch.need import NO_NEED, Need, need_of
 from shoal.router.errors import BadRequest
-from shoal.router.requests import RequestLimits, check_body
 
 USER = [{"role": "user", "content": "hi"}]
 

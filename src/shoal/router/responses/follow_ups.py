@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 
 from shoal.router.errors import NotFound
-from shoal.router.response_store import ResponseStore, StoredResponse
+from shoal.router.responses.store.interface import ResponseStore, StoredResponse
 
 log = logging.getLogger(__name__)
 

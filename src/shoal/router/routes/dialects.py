@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 from shoal.api_errors import ApiError, error_payload, error_response
 from shoal.protocol.messages import Endpoint
-from shoal.router.usage import cached_of, tokens_of
+from shoal.router.admission.usage import cached_of, tokens_of
 
 
 class Dialect:

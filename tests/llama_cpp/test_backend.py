@@ -17,7 +17,6 @@ import pytest
 
 from shoal.hardware import amd, nvidia, vulkan
 from shoal.hardware.profile import GpuDevice
-from shoal.llama_cpp import LlamaCppError
 from shoal.llama_cpp.backend import (
     BackendChoice,
     MachineFacts,
@@ -25,6 +24,7 @@ from shoal.llama_cpp.backend import (
     normalize_machine,
 )
 from shoal.llama_cpp.build import CMAKE_FLAGS, backend_flags
+from shoal.llama_cpp.errors import LlamaCppError
 
 FIXTURES = Path(__file__).parents[1] / "hardware" / "fixtures"
 

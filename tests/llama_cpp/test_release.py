@@ -31,7 +31,6 @@ from pathlib import Path
 import pytest
 
 from shoal import paths
-from shoal.llama_cpp import LlamaCppError, describe, resolve
 from shoal.llama_cpp.archive import UnsafeArchiveError, check_link, extract, member_path
 from shoal.llama_cpp.backend import BackendChoice
 from shoal.llama_cpp.binaries import (
@@ -41,7 +40,8 @@ from shoal.llama_cpp.binaries import (
     release_bin_dir,
     release_install_dir,
 )
-from shoal.llama_cpp.locate import Preference
+from shoal.llama_cpp.errors import LlamaCppError
+from shoal.llama_cpp.locate import Preference, describe, resolve
 from shoal.llama_cpp.release import (
     RELEASE_INFO_NAME,
     RELEASE_REPO,

@@ -17,11 +17,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import http_calls
 from cluster import Proc, clean_env, free_port, wait_until
 from shoal.llama_cpp.binaries import rpc_server_beside
 from shoal.llama_cpp.rpc_cache import (
@@ -205,7 +205,7 @@ def _accepts(port: int) -> bool:
 
 def _healthy(url: str, head: Proc) -> bool:
     assert head.alive(), f"llama-server exited:\n{head.log()[-3000:]}"
-    return httpx.get(url, timeout=2).status_code == 200
+    return http_calls.get(url, timeout=2).status_code == 200
 
 
 @pytest.fixture

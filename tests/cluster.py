@@ -6,6 +6,7 @@ again; a test gets log files to read when it fails.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -21,6 +22,8 @@ from typing import Any
 
 import httpx
 import psutil
+
+import http_calls
 
 MODEL = "smollm2-135m-instruct"
 API_KEY = "sk-test-inference"
@@ -65,7 +68,9 @@ def plain_llama_server(binary: Path, model: Path, log_path: Path, *args: str) ->
         )
         url = f"http://127.0.0.1:{port}"
         try:
-            wait_until(lambda: httpx.get(url + "/health").status_code == 200, 60, "llama-server")
+            wait_until(
+                lambda: http_calls.get(url + "/health").status_code == 200, 60, "llama-server"
+            )
             yield url
         finally:
             proc.terminate()
@@ -161,9 +166,10 @@ class Router:
     def url(self) -> str:
         return f"{self.scheme}://127.0.0.1:{self.port}"
 
-    @property
+    @functools.cached_property
     def verify(self) -> ssl.SSLContext | bool:
-        """For httpx's ``verify=``: trust the router's CA when it serves HTTPS."""
+        """For httpx's ``verify=``: trust the router's CA when it serves HTTPS (one context,
+        made once: a context loads its certificates when made, and the tests poll)."""
         return ssl.create_default_context(cafile=self.ca) if self.ca else True
 
     @property
@@ -171,7 +177,7 @@ class Router:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def workers(self) -> list[dict[str, Any]]:
-        r = httpx.get(
+        r = http_calls.get(
             self.url + "/api/v1/workers", headers=self.headers, timeout=5, verify=self.verify
         )
         r.raise_for_status()
@@ -243,7 +249,9 @@ class Cluster:
         if wait:
             wait_until(
                 lambda: (
-                    httpx.get(router.url + "/health", timeout=2, verify=router.verify).status_code
+                    http_calls.get(
+                        router.url + "/health", timeout=2, verify=router.verify
+                    ).status_code
                     == 200
                 ),
                 STARTUP_TIMEOUT_S,

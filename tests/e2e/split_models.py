@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 
-import httpx
 import psutil
 
+import http_calls
 from cluster import Router
 
 PROMPTS = [
@@ -18,7 +18,7 @@ GREEDY = {"temperature": 0, "max_tokens": 48, "cache_prompt": False}
 
 
 def status(router: Router) -> list[dict[str, object]]:
-    r = httpx.get(router.url + "/api/v1/pipeline/status", headers=router.headers, timeout=10)
+    r = http_calls.get(router.url + "/api/v1/pipeline/status", headers=router.headers, timeout=10)
     r.raise_for_status()
     data: list[dict[str, object]] = r.json()["data"]
     return data
@@ -30,7 +30,7 @@ def deployment(router: Router, name: str) -> dict[str, object]:
 
 def ask(router: Router, model: str, prompt: str) -> str:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], **GREEDY}
-    r = httpx.post(
+    r = http_calls.post(
         router.url + "/v1/chat/completions", json=body, headers=router.headers, timeout=120
     )
     assert r.status_code == 200, r.text

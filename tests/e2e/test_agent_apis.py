@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
-import httpx
 import openai
 import pytest
 
+import http_calls
 from cluster import API_KEY, MODEL, Cluster, Router
 
 pytestmark = pytest.mark.e2e
@@ -266,7 +266,7 @@ def test_messages_errors_are_anthropics(shared: Shared, clients: Clients) -> Non
         )
     assert structured.value.body["error"]["type"] == "invalid_request_error"
     # a bearer key works as well as x-api-key, and the bare HTTP answer is Anthropic's too
-    answer = httpx.post(
+    answer = http_calls.post(
         shared.router.url + "/v1/messages",
         headers={"Authorization": "Bearer sk-wrong"},
         json={"model": MODEL, "max_tokens": 8, "messages": hello},

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
+import http_calls
 from cluster import Cluster, Router, iter_sse, keys_cli, plain_llama_server, wait_until
 from fakes.fake_vllm import FakeVllm
 
@@ -99,9 +99,9 @@ def test_assembled_answer_matches_llama_servers_own(
     from shoal.worker.aggregate import aggregate
 
     body = {**body, "max_tokens": 12, "temperature": 0}
-    direct = httpx.post(external_llama + path, json=body, timeout=60).json()
+    direct = http_calls.post(external_llama + path, json=body, timeout=60).json()
     chunks = []
-    with httpx.stream(
+    with http_calls.stream(
         "POST",
         external_llama + path,
         timeout=60,
@@ -148,7 +148,7 @@ def vllm() -> Iterator[Served]:
 def stream_chunks(router: Router, key: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     """Every chunk of a streamed chat, as the client gets it (it must end with [DONE])."""
     chunks = []
-    with httpx.stream(
+    with http_calls.stream(
         "POST",
         router.url + "/v1/chat/completions",
         json=body,
@@ -199,13 +199,13 @@ def test_an_attached_vllm_charges_streams_and_gives_usage_only_to_who_asks(
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in plain)
 
     def charged() -> dict[str, Any] | None:
-        r = httpx.get(router.url + "/api/v1/usage?key=streams", timeout=10)
+        r = http_calls.get(router.url + "/api/v1/usage?key=streams", timeout=10)
         rows = [row for row in r.json()["data"] if row["requests"] >= 2]
         return rows[0] if rows else None
 
     row = wait_until(charged, 30, "the key's usage")
     assert (row["tokens_in"], row["tokens_out"]) == (2 * prompt, 2 * tokens)
-    metrics = httpx.get(router.url + "/metrics", timeout=10).text
+    metrics = http_calls.get(router.url + "/metrics", timeout=10).text
     assert f'shoal_tokens_total{{direction="out",model="public"}} {2 * tokens:.1f}' in metrics
     if vllm.fake is not None:  # what the worker asked of it
         options = [b.get("stream_options") for _, b in vllm.fake.requests if b.get("stream")]

@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+import http_calls
 from cluster import API_KEY, MODEL, Cluster, Router, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -24,7 +25,7 @@ HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def _busy_slots(backend_url: str) -> int:
-    slots = httpx.get(backend_url + "/slots", timeout=2).json()
+    slots = http_calls.get(backend_url + "/slots", timeout=2).json()
     return sum(1 for s in slots if s["is_processing"])
 
 
@@ -44,7 +45,7 @@ def test_stream_disconnect_stops_generation(cluster: Cluster) -> None:
     router = cluster.router()
     cluster.worker(router, "--slots", "1")
     backend = _backend(router)
-    with httpx.stream(
+    with http_calls.stream(
         "POST",
         router.url + "/v1/chat/completions",
         json={**LONG, "stream": True},
@@ -67,7 +68,9 @@ def test_non_stream_disconnect_stops_generation(cluster: Cluster) -> None:
 
     def call() -> None:
         with contextlib.suppress(httpx.TimeoutException):
-            httpx.post(router.url + "/v1/chat/completions", json=LONG, headers=HEADERS, timeout=0.8)
+            http_calls.post(
+                router.url + "/v1/chat/completions", json=LONG, headers=HEADERS, timeout=0.8
+            )
 
     t = threading.Thread(target=call)
     t.start()
@@ -81,7 +84,7 @@ def test_queued_request_dropped_when_client_leaves(cluster: Cluster) -> None:
     router = cluster.router()
     cluster.worker(router, "--slots", "1")
     _backend(router)
-    with httpx.stream(
+    with http_calls.stream(
         "POST",
         router.url + "/v1/chat/completions",
         json={**LONG, "stream": True},
@@ -91,11 +94,15 @@ def test_queued_request_dropped_when_client_leaves(cluster: Cluster) -> None:
         next(r.iter_lines())
         # a second request waits in the queue, then its client gives up
         with contextlib.suppress(httpx.TimeoutException):
-            httpx.post(router.url + "/v1/chat/completions", json=LONG, headers=HEADERS, timeout=0.5)
-        models = httpx.get(router.url + "/v1/models", headers=HEADERS).json()["data"]
+            http_calls.post(
+                router.url + "/v1/chat/completions", json=LONG, headers=HEADERS, timeout=0.5
+            )
+        models = http_calls.get(router.url + "/v1/models", headers=HEADERS).json()["data"]
         wait_until(
             lambda: (
-                httpx.get(router.url + "/v1/models", headers=HEADERS).json()["data"][0]["queued"]
+                http_calls.get(router.url + "/v1/models", headers=HEADERS).json()["data"][0][
+                    "queued"
+                ]
                 == 0
             ),
             3,

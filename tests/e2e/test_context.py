@@ -21,6 +21,7 @@ import httpx
 import pytest
 import redis
 
+import http_calls
 from cluster import API_KEY, MODEL, Cluster, Proc, Router, iter_sse
 from shoal.jobs.failure import CONTEXT_REFUSALS
 
@@ -108,14 +109,16 @@ def fleet(session_cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[
 
 def chat(router: Router, content: str, **extra: Any) -> httpx.Response:
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
-    return httpx.post(router.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120)
+    return http_calls.post(
+        router.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120
+    )
 
 
 def test_long_prompts_go_only_to_the_worker_whose_context_holds_them(fleet: Fleet) -> None:
     """Four at once: the small worker is free the whole time, and takes none of them (it
     used to take one, and its llama-server answered 400)."""
     fleet.router.wait_workers(2)
-    models = httpx.get(fleet.router.url + "/v1/models", headers=AUTH).json()["data"]
+    models = http_calls.get(fleet.router.url + "/v1/models", headers=AUTH).json()["data"]
     assert [m["context_length"] for m in models] == [BIG]
     with ThreadPoolExecutor(4) as pool:
         replies = list(pool.map(lambda _: chat(fleet.router, LONG, max_tokens=8), range(4)))
@@ -144,7 +147,7 @@ def test_a_prompt_llama_server_refuses_goes_to_the_larger_context(fleet: Fleet) 
             "stream": True,
         }
         url = fleet.router.url + "/v1/chat/completions"
-        with httpx.stream("POST", url, json=body, headers=AUTH, timeout=120) as r:
+        with http_calls.stream("POST", url, json=body, headers=AUTH, timeout=120) as r:
             busy["worker"] = r.headers.get("x-shoal-worker")
             for data in iter_sse(r):
                 if data != "[DONE]" and json.loads(data)["choices"]:

@@ -28,6 +28,7 @@ from playwright.sync_api import (
     sync_playwright,
 )
 
+import http_calls
 from cluster import API_KEY, MODEL, Cluster, Proc, Router, wait_until
 from fakes.fake_pynvml import worker_env
 from fakes.tool_replay import nvidia_h100_driver
@@ -150,7 +151,7 @@ def _text(handle: ElementHandle | None, selector: str) -> str:
 
 def _get(live: Live, path: str, key: str | None = API_KEY) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.get(live.router.url + path, headers=headers, timeout=10)
+    return http_calls.get(live.router.url + path, headers=headers, timeout=10)
 
 
 def test_page_and_assets_load_without_a_key_and_only_from_the_router(
@@ -354,7 +355,7 @@ def test_playground_streams_a_reply_from_the_real_model(live: Live, watched: Wat
 
 
 def _busy_slots(backend_url: str) -> int:
-    slots = httpx.get(backend_url + "/slots", timeout=2).json()
+    slots = http_calls.get(backend_url + "/slots", timeout=2).json()
     return sum(1 for s in slots if s["is_processing"])
 
 
@@ -431,7 +432,7 @@ def test_layer_map_shows_a_real_deployment(
             "workers": [WORKER_NAME, "dash-w2"],
             "ctx": 1024,
         }
-        r = httpx.post(router.url + DEPLOYMENTS_DEPLOY, json=body, headers=router.headers)
+        r = http_calls.post(router.url + DEPLOYMENTS_DEPLOY, json=body, headers=router.headers)
         assert r.status_code == 202, r.text
         wait_until(
             lambda: _get(live, DEPLOYMENTS_STATUS).json()["data"][0]["state"] == "serving",
@@ -454,7 +455,7 @@ def test_layer_map_shows_a_real_deployment(
         legend = card.text_content() or ""
         assert "layers 0–14" in legend and "layers 15–29" in legend and "serving" in legend
     finally:
-        httpx.post(
+        http_calls.post(
             router.url + DEPLOYMENTS_UNDEPLOY, json={"name": "dash-split"}, headers=router.headers
         )
         _stop(second)

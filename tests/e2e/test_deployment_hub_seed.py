@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import pytest
 from split_models import deployment
 
+import http_calls
 from cluster import Cluster, Router, wait_until
 from data.stores import link_or_copy
 from fakes.fake_hub import FakeHub
@@ -44,7 +44,7 @@ def _deploy(router: Router) -> dict[str, object]:
         "strategy": "balanced",
         "mode": "relayed",
     }
-    r = httpx.post(
+    r = http_calls.post(
         router.url + "/api/v1/pipeline/deploy", json=body, headers=router.headers, timeout=30
     )
     assert r.status_code == 202, r.text

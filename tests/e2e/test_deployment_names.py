@@ -8,13 +8,14 @@ import httpx
 import pytest
 from split_models import deployment, status
 
+import http_calls
 from cluster import MODEL, Cluster, Router, wait_until
 
 pytestmark = pytest.mark.e2e
 
 
 def post(router: Router, route: str, **body: object) -> httpx.Response:
-    return httpx.post(
+    return http_calls.post(
         f"{router.url}/api/v1/pipeline/{route}", json=body, headers=router.headers, timeout=30
     )
 

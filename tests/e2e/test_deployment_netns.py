@@ -17,10 +17,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 
+import http_calls
 from cluster import API_KEY, MODEL, Cluster, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -99,11 +99,13 @@ def test_split_over_namespaces_goes_through_the_tunnel_only(cluster: Cluster, ne
     admin = {"Authorization": f"Bearer {ADMIN}"}
     sent_before = net.rx_bytes(names[1])
     body = {"model": str(cluster.model_path), "name": "split", "workers": names, "ctx": 1024}
-    r = httpx.post(router.url + "/api/v1/pipeline/deploy", json=body, headers=admin, timeout=30)
+    r = http_calls.post(
+        router.url + "/api/v1/pipeline/deploy", json=body, headers=admin, timeout=30
+    )
     assert r.status_code == 202, r.text
 
     def serving() -> dict[str, object] | None:
-        r = httpx.get(router.url + "/api/v1/pipeline/status", headers=admin, timeout=10)
+        r = http_calls.get(router.url + "/api/v1/pipeline/status", headers=admin, timeout=10)
         [d] = r.json()["data"]
         return d if d["state"] == "serving" else None
 
@@ -113,7 +115,7 @@ def test_split_over_namespaces_goes_through_the_tunnel_only(cluster: Cluster, ne
     def ask(model: str) -> str:
         prompt = {"role": "user", "content": "What is the capital of France?"}
         body = {"model": model, "messages": [prompt], "temperature": 0, "max_tokens": 32}
-        r = httpx.post(
+        r = http_calls.post(
             router.url + "/v1/chat/completions", json=body, headers=router.headers, timeout=120
         )
         assert r.status_code == 200, r.text

@@ -8,6 +8,7 @@ import sys
 import httpx
 import pytest
 
+import http_calls
 from cluster import MODEL, Cluster, clean_env
 
 pytestmark = pytest.mark.e2e
@@ -21,7 +22,7 @@ def test_plan_over_two_workers_and_its_errors(cluster: Cluster) -> None:
     ids = sorted(w["id"] for w in workers)
 
     def post(**body: object) -> httpx.Response:
-        return httpx.post(
+        return http_calls.post(
             router.url + "/api/v1/pipeline/plan", json=body, headers=router.headers, timeout=30
         )
 

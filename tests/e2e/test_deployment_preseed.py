@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import pytest
 from split_models import PROMPTS, ask, deployment, rpc_servers
 
+import http_calls
 from cluster import Cluster, Proc, Router, wait_until
 from shoal.models.gguf_info import inspect
 from shoal.models.stage_tensors import stage_tensors
@@ -54,7 +54,7 @@ def _deploy(router: Router, gguf: Path) -> dict[str, object]:
         "strategy": "balanced",
         "mode": "relayed",
     }
-    r = httpx.post(
+    r = http_calls.post(
         router.url + "/api/v1/pipeline/deploy", json=body, headers=router.headers, timeout=30
     )
     assert r.status_code == 202, r.text
@@ -99,7 +99,7 @@ def test_preseeded_stages_get_no_weights_through_the_tunnel(
     cold_sent = _sent(cold)
     answers = [ask(router, NAME, p) for p in PROMPTS[:2]]
     assert answers == [ask(router, ONE_MACHINE, p) for p in PROMPTS[:2]]
-    r = httpx.post(
+    r = http_calls.post(
         router.url + "/api/v1/pipeline/undeploy", json={"name": NAME}, headers=router.headers
     )
     assert r.status_code == 200
@@ -133,6 +133,6 @@ def test_preseeded_stages_get_no_weights_through_the_tunnel(
     assert shards[2]["seed"]["cached"] == shards[2]["seed"]["tensors"] == 4
     assert [ask(router, NAME, p) for p in PROMPTS[:2]] == answers
 
-    metrics = httpx.get(router.url + "/metrics", headers=router.headers).text
+    metrics = http_calls.get(router.url + "/metrics", headers=router.headers).text
     sample = f'shoal_tunnel_bytes_total{{deployment="{NAME}",direction="to_stages"}}'
     assert sample in metrics

@@ -8,10 +8,10 @@ default model, a real Redis under a key prefix of the test's own and a schema of
 
 from __future__ import annotations
 
-import httpx
 import pytest
 from split_models import PROMPTS, ask, deployment, rpc_servers, status
 
+import http_calls
 from cluster import MODEL, Cluster, Router, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -20,7 +20,7 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def served(router: Router) -> list[str]:
-    r = httpx.get(router.url + "/v1/models", headers=router.headers, timeout=5)
+    r = http_calls.get(router.url + "/v1/models", headers=router.headers, timeout=5)
     return [m["id"] for m in r.json()["data"]]
 
 
@@ -39,7 +39,7 @@ def test_a_split_deployed_through_one_router_runs_on_the_router_with_the_workers
 
     # Deployed through B, which has no workers: A, whose workers fit it, takes it.
     body = {"model": str(cluster.model_path), "name": "smol-split", "ctx": 1024}
-    r = httpx.post(b.url + "/api/v1/pipeline/deploy", json=body, headers=b.headers, timeout=30)
+    r = http_calls.post(b.url + "/api/v1/pipeline/deploy", json=body, headers=b.headers, timeout=30)
     assert r.status_code == 202, r.text
     on_b = wait_until(
         lambda: (d := deployment(b, "smol-split"))["state"] == "serving" and d,
@@ -58,7 +58,7 @@ def test_a_split_deployed_through_one_router_runs_on_the_router_with_the_workers
         assert ask(a, "smol-split", prompt) == expected, prompt
 
     # Undeployed through B: A stops the shards and neither router lists it.
-    r = httpx.post(b.url + "/api/v1/pipeline/undeploy", json={"name": "smol-split"})
+    r = http_calls.post(b.url + "/api/v1/pipeline/undeploy", json={"name": "smol-split"})
     assert r.status_code == 200, r.text
     wait_until(lambda: not rpc_servers(workers["on-a-2"].pid), 30, "A to stop the stage")
     wait_until(lambda: status(a) == [] and status(b) == [], 10, "both routers to forget it")
@@ -67,7 +67,7 @@ def test_a_split_deployed_through_one_router_runs_on_the_router_with_the_workers
         10,
         "the head worker to stop advertising it",
     )
-    r = httpx.post(
+    r = http_calls.post(
         b.url + "/v1/chat/completions",
         json={"model": "smol-split", "messages": [{"role": "user", "content": "hi"}]},
         headers=b.headers,
@@ -81,12 +81,12 @@ def test_status_on_a_router_without_the_workers_says_who_could_run_it(
     shared = ("--redis-url", REDIS_URL, "--redis-prefix", redis_prefix, "--database-url", pg_url)
     b: Router = cluster.router(*shared)
     body = {"model": str(cluster.model_path), "name": "smol-split", "ctx": 1024}
-    r = httpx.post(b.url + "/api/v1/pipeline/deploy", json=body, headers=b.headers, timeout=30)
+    r = http_calls.post(b.url + "/api/v1/pipeline/deploy", json=body, headers=b.headers, timeout=30)
     assert r.status_code == 202, r.text
     view = wait_until(lambda: status(b) or None, 10, "the deployment to be listed")[0]
     assert view["state"] == "pending" and view["router"] is None
     assert "waiting for a router whose workers can hold it" in view["detail"]
-    r = httpx.post(
+    r = http_calls.post(
         b.url + "/v1/chat/completions",
         json={"model": "smol-split", "messages": [{"role": "user", "content": "hi"}]},
         headers=b.headers,

@@ -15,6 +15,7 @@ import psutil
 import pytest
 from split_models import PROMPTS, ask, deployment, is_head, rpc_servers, status
 
+import http_calls
 from cluster import MODEL, Cluster, Router, wait_until
 from shoal.llama_cpp.threads import SPINCOUNT
 
@@ -55,7 +56,7 @@ def test_split_over_three_workers_answers_as_one_machine(
         "strategy": "balanced",
         "mode": mode,
     }
-    r = httpx.post(
+    r = http_calls.post(
         router.url + "/api/v1/pipeline/deploy", json=body, headers=router.headers, timeout=30
     )
     assert r.status_code == 202, r.text
@@ -102,10 +103,10 @@ def test_split_over_three_workers_answers_as_one_machine(
     for p in [*stages, *heads]:
         assert p.environ().get("GOMP_SPINCOUNT") == str(SPINCOUNT), p.cmdline()
 
-    metrics = httpx.get(router.url + "/metrics", headers=router.headers).text
+    metrics = http_calls.get(router.url + "/metrics", headers=router.headers).text
     assert 'shoal_deployment_shards{deployment="smol-split",state="ready"} 3.0' in metrics
 
-    models = httpx.get(router.url + "/v1/models", headers=router.headers).json()["data"]
+    models = http_calls.get(router.url + "/v1/models", headers=router.headers).json()["data"]
     assert "smol-split" in [m["id"] for m in models]
     for prompt in PROMPTS:
         assert ask(router, "smol-split", prompt) == ask(router, MODEL, prompt), prompt
@@ -122,7 +123,7 @@ def test_a_killed_stage_degrades_the_split_then_it_is_redeployed(cluster: Cluste
     }
     router.wait_workers(2)
     body = {"model": str(cluster.model_path), "name": "smol-split", "ctx": 1024}  # relayed
-    r = httpx.post(router.url + "/api/v1/pipeline/deploy", json=body, headers=router.headers)
+    r = http_calls.post(router.url + "/api/v1/pipeline/deploy", json=body, headers=router.headers)
     assert r.status_code == 202, r.text
     wait_until(lambda: deployment(router, "smol-split")["state"] == "serving", 120, "serving")
     before = ask(router, "smol-split", PROMPTS[0])
@@ -143,7 +144,7 @@ def test_a_killed_stage_degrades_the_split_then_it_is_redeployed(cluster: Cluste
             "max_tokens": 4,
             "messages": [{"role": "user", "content": "hi"}],
         }
-        r = httpx.post(
+        r = http_calls.post(
             router.url + "/v1/chat/completions", json=body, headers=router.headers, timeout=60
         )
         if r.status_code == 503:
@@ -160,7 +161,7 @@ def test_a_killed_stage_degrades_the_split_then_it_is_redeployed(cluster: Cluste
     again.wait_workers(2)
     wait_until(lambda: deployment(again, "smol-split")["state"] == "serving", 120, "redeployed")
     assert ask(again, "smol-split", PROMPTS[0]) == before
-    r = httpx.post(again.url + "/api/v1/pipeline/undeploy", json={"name": "smol-split"})
+    r = http_calls.post(again.url + "/api/v1/pipeline/undeploy", json={"name": "smol-split"})
     assert r.status_code == 200
     assert status(again) == []
     wait_until(lambda: not rpc_servers(workers["p2"].pid), 15, "the stage to stop")
@@ -171,7 +172,7 @@ def test_deploy_api_answers_mistakes_clearly(cluster: Cluster) -> None:
     router = cluster.router("--admin-key", admin["Authorization"].split()[1])
 
     def post(path: str, headers: dict[str, str] = admin, **body: object) -> httpx.Response:
-        return httpx.post(router.url + path, json=body, headers=headers, timeout=30)
+        return http_calls.post(router.url + path, json=body, headers=headers, timeout=30)
 
     model = str(cluster.model_path)
     assert post("/api/v1/pipeline/deploy", router.headers, model=model).status_code in (401, 403)
@@ -186,14 +187,14 @@ def test_deploy_api_answers_mistakes_clearly(cluster: Cluster) -> None:
     assert "waiting for workers" in r.json()["detail"]
     r = post("/api/v1/pipeline/deploy", model=MODEL, name="later")  # another model, same name
     assert r.status_code == 409 and "undeploy it first" in r.json()["error"]["message"]
-    listed = httpx.get(router.url + "/api/v1/pipeline/models", headers=admin).json()["data"]
+    listed = http_calls.get(router.url + "/api/v1/pipeline/models", headers=admin).json()["data"]
     assert [(m["id"], m["state"]) for m in listed] == [("later", "pending")]
     # Requests for it meanwhile: a 503 that says why, not a 404.
     ask_it = {"model": "later", "messages": [{"role": "user", "content": "hi"}]}
-    r = httpx.post(router.url + "/v1/chat/completions", json=ask_it, headers=router.headers)
+    r = http_calls.post(router.url + "/v1/chat/completions", json=ask_it, headers=router.headers)
     assert r.status_code == 503 and "retry-after" in r.headers, r.text
     assert post("/api/v1/pipeline/rebalance", name="nope").status_code == 404
     assert post("/api/v1/pipeline/undeploy", name="nope").status_code == 404
     assert post("/api/v1/pipeline/undeploy", name="later").status_code == 200
-    r = httpx.post(router.url + "/v1/chat/completions", json=ask_it, headers=router.headers)
+    r = http_calls.post(router.url + "/v1/chat/completions", json=ask_it, headers=router.headers)
     assert r.status_code == 404

@@ -8,9 +8,9 @@ import subprocess
 import sys
 from typing import Any
 
-import httpx
 import pytest
 
+import http_calls
 from cluster import GPU_KEY, Cluster, clean_env, free_port
 
 pytestmark = pytest.mark.e2e
@@ -46,7 +46,7 @@ def test_the_router_accepts_the_key_or_says_why_not(session_cluster: Cluster) ->
     assert "refuses this GPU key" in wrong["finding"]
     assert "--gpu-key" in wrong["fix"]
 
-    health = httpx.get(router.url + "/health", timeout=5).json()
+    health = http_calls.get(router.url + "/health", timeout=5).json()
     assert health["workers"] == 0  # the probe registered nothing
     assert "refused worker" in router.proc.log()
 

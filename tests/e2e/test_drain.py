@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+import http_calls
 from cluster import API_KEY, MODEL, Cluster, Router, iter_sse, llama_server_pids, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -40,7 +41,7 @@ def ask(router: Router, max_tokens: int) -> Iterator[httpx.Response]:
         "messages": [{"role": "user", "content": "Count to fifty."}],
     }
     auth = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.stream(
+    with http_calls.stream(
         "POST", router.url + "/v1/chat/completions", json=body, headers=auth, timeout=120
     ) as r:
         assert r.status_code == 200, r.read()
@@ -70,7 +71,9 @@ def wait_in_queue(router: Router, stop: threading.Event) -> str:
 
 
 def scaling(router: Router) -> dict[str, Any]:
-    r = httpx.get(router.url + SCALING, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=5)
+    r = http_calls.get(
+        router.url + SCALING, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=5
+    )
     r.raise_for_status()
     body: dict[str, Any] = r.json()
     assert body["scope"] == "cluster"
@@ -79,7 +82,7 @@ def scaling(router: Router) -> dict[str, Any]:
 
 
 def gauges(router: Router) -> dict[str, float]:
-    r = httpx.get(
+    r = http_calls.get(
         router.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=5
     )
     r.raise_for_status()
@@ -114,7 +117,7 @@ def test_a_worker_told_to_stop_drains_and_every_router_reports_the_signals(
 
     # The admin endpoint is the control plane's: an inference key, or none, is refused.
     for headers in ({"Authorization": f"Bearer {API_KEY}"}, {}):
-        assert httpx.get(b.url + SCALING, headers=headers).status_code in (401, 403)
+        assert http_calls.get(b.url + SCALING, headers=headers).status_code in (401, 403)
 
     first_chunk, stop_waiting = threading.Event(), threading.Event()
     with ThreadPoolExecutor(2) as pool:

@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+import http_calls
 from cluster import MODEL, Cluster, clean_env, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -33,7 +34,7 @@ def shoal_keys(database_url: str, *args: str) -> dict[str, object]:
 
 
 def chat(url: str, key: str) -> httpx.Response:
-    return httpx.post(
+    return http_calls.post(
         url + "/v1/chat/completions",
         json=CHAT,
         headers={"Authorization": f"Bearer {key}"},
@@ -89,18 +90,18 @@ def test_two_routers_share_keys_limits_and_revocation(
         lambda: _usage_for(a, admin, str(limited["id"])), 30, "usage of the limited key"
     )
     assert usage["requests"] == 3 and usage["tokens_out"] >= 3 and usage["tokens_in"] > 0
-    denied = httpx.get(a + "/api/v1/usage", headers={"Authorization": f"Bearer {key}"})
+    denied = http_calls.get(a + "/api/v1/usage", headers={"Authorization": f"Bearer {key}"})
     assert denied.status_code == 403  # a known key, of another scope
 
     # Metrics need the admin key and count what happened.
-    assert httpx.get(a + "/metrics").status_code == 401
-    metrics = httpx.get(a + "/metrics", headers={"Authorization": f"Bearer {admin}"}).text
+    assert http_calls.get(a + "/metrics").status_code == 401
+    metrics = http_calls.get(a + "/metrics", headers={"Authorization": f"Bearer {admin}"}).text
     assert 'shoal_requests_total{route="/v1/chat/completions",status="429"}' in metrics
     assert f'shoal_tokens_total{{direction="out",model="{MODEL}"}}' in metrics
 
 
 def _usage_for(url: str, admin: str, key_id: str) -> dict[str, int] | None:
-    r = httpx.get(url + "/api/v1/usage", headers={"Authorization": f"Bearer {admin}"})
+    r = http_calls.get(url + "/api/v1/usage", headers={"Authorization": f"Bearer {admin}"})
     r.raise_for_status()
     rows = [row for row in r.json()["data"] if row["key_id"] == key_id]
     if not rows:

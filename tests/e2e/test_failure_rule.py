@@ -20,6 +20,7 @@ import httpx
 import pytest
 import redis
 
+import http_calls
 from cluster import API_KEY, MODEL, Cluster, Proc, Router, iter_sse, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -86,13 +87,13 @@ def rig(session_cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[Ri
 
 def post(router: Router, body: dict[str, Any]) -> httpx.Response:
     url = router.url + "/v1/chat/completions"
-    return httpx.post(url, json=body, headers=AUTH, timeout=180)
+    return http_calls.post(url, json=body, headers=AUTH, timeout=180)
 
 
 def decoded(backend_url: str) -> int:
     """Tokens the llama-server's busy slot has generated (0 when none is busy)."""
     try:
-        slots = httpx.get(backend_url + "/slots", timeout=2).json()
+        slots = http_calls.get(backend_url + "/slots", timeout=2).json()
     except httpx.HTTPError:
         return 0
     return max((s["next_token"][0]["n_decoded"] for s in slots if s["is_processing"]), default=0)
@@ -122,7 +123,9 @@ def test_a_stream_that_cannot_go_on_ends_with_the_backend_error(rig: Rig) -> Non
     url = rig.router.url + "/v1/chat/completions"
     got, error = 0, None
     started = time.monotonic()
-    with httpx.stream("POST", url, json={**BODY, "stream": True}, headers=AUTH, timeout=180) as r:
+    with http_calls.stream(
+        "POST", url, json={**BODY, "stream": True}, headers=AUTH, timeout=180
+    ) as r:
         assert r.status_code == 200
         for data in iter_sse(r):
             if data == "[DONE]":

@@ -8,10 +8,10 @@ import threading
 import time
 from collections.abc import Callable
 
-import httpx
 import openai
 import pytest
 
+import http_calls
 from cluster import API_KEY, MODEL, STARTUP_TIMEOUT_S, Cluster, free_port, wait_until
 from shoal.worker.link import NEVER_REACHED_WARN_AFTER
 
@@ -67,7 +67,7 @@ def test_worker_lost_before_first_token_requeues(cluster: Cluster) -> None:
     answer: dict[str, object] = {}
 
     def ask() -> None:
-        with httpx.stream(
+        with http_calls.stream(
             "POST",
             router.url + "/v1/chat/completions",
             timeout=120,
@@ -134,9 +134,9 @@ def test_a_worker_that_never_reaches_its_router_warns_once(cluster: Cluster) -> 
 
 def test_health_is_open_and_reports_workers(cluster: Cluster) -> None:
     router = cluster.router()
-    body = httpx.get(router.url + "/health").json()
+    body = http_calls.get(router.url + "/health").json()
     assert body["status"] == "no_ready_workers" and body["workers"] == 0
     cluster.worker(router)
     router.wait_workers(1)
-    body = httpx.get(router.url + "/health").json()
+    body = http_calls.get(router.url + "/health").json()
     assert body["status"] == "ok" and body["models"] == [MODEL]

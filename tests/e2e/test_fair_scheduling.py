@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+import http_calls
 from cluster import MODEL, Cluster, Router, keys_cli, wait_until
 from shoal.keys import Scope, open_store
 
@@ -35,7 +36,7 @@ def ask(max_tokens: int) -> dict[str, object]:
 
 
 def queued(router: Router) -> int:
-    models = httpx.get(f"{router.url}/v1/models", headers=router.headers, timeout=5).json()
+    models = http_calls.get(f"{router.url}/v1/models", headers=router.headers, timeout=5).json()
     return int(next(m["queued"] for m in models["data"] if m["id"] == MODEL))
 
 
@@ -147,7 +148,9 @@ def test_a_waiting_stream_past_the_wait_limit_ends_with_an_error_event(cluster: 
 
 
 def busy(router: Router) -> bool:
-    workers = httpx.get(f"{router.url}/api/v1/workers", headers=router.headers, timeout=5).json()
+    workers = http_calls.get(
+        f"{router.url}/api/v1/workers", headers=router.headers, timeout=5
+    ).json()
     return any(w["running_jobs"] for w in workers["data"])
 
 
@@ -323,7 +326,7 @@ async def stream_long(
 
 
 def preempted(router: Router) -> float:
-    text = httpx.get(router.url + "/metrics", headers=router.headers, timeout=5).text
+    text = http_calls.get(router.url + "/metrics", headers=router.headers, timeout=5).text
     line = f'shoal_jobs_preempted_total{{model="{MODEL}"}} '
     return sum(float(x[len(line) :]) for x in text.splitlines() if x.startswith(line))
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+import http_calls
 from cluster import MODEL, Cluster, Router, wait_until
 from fakes.fake_pynvml import machine_gpus, worker_env
 
@@ -27,7 +27,7 @@ WORKER = "gpu-w"
 
 
 def scrape(router: Router) -> list[Sample]:
-    r = httpx.get(router.url + "/metrics", headers=router.headers, timeout=5)
+    r = http_calls.get(router.url + "/metrics", headers=router.headers, timeout=5)
     r.raise_for_status()
     return [s for family in text_string_to_metric_families(r.text) for s in family.samples]
 
@@ -149,7 +149,7 @@ def test_a_worker_told_to_use_no_gpu_computes_on_the_cpu_and_reports_none(
     assert [g["name"] for g in entry["hardware"]["gpus"]] == [g["name"] for g in machine_gpus()]
     assert entry["gpu_telemetry"] == [] and entry["gpus_unused"] is None
     assert gpu_series(router) == {}
-    r = httpx.post(
+    r = http_calls.post(
         router.url + "/v1/chat/completions",
         json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
         headers=router.headers,

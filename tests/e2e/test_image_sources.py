@@ -10,11 +10,11 @@ import io
 import shutil
 from pathlib import Path
 
-import httpx
 import orjson
 import pytest
 from PIL import Image
 
+import http_calls
 from cluster import Cluster, iter_sse
 from fakes.fake_a1111 import FakeA1111
 
@@ -54,7 +54,7 @@ def test_a_worker_serves_a_single_file_checkpoint_offline(
     try:
         router.wait_workers(1, timeout=120)
         body = {"model": "tiny", "prompt": "a cat", "size": "64x64", "steps": 2, "seed": 1}
-        r = httpx.post(
+        r = http_calls.post(
             router.url + "/v1/images/generations", json=body, headers=router.headers, timeout=60
         )
         assert r.status_code == 200, r.text
@@ -76,7 +76,7 @@ def test_a1111_steps_stream_as_progress_events(session_cluster: Cluster) -> None
         try:
             router.wait_workers(1, timeout=60)
             body = {"model": "a1111", "prompt": "sea", "size": "64x64", "steps": 6, "seed": 3}
-            with httpx.stream(
+            with http_calls.stream(
                 "POST",
                 router.url + "/v1/images/generations",
                 json={**body, "stream": True},

@@ -17,6 +17,7 @@ import orjson
 import pytest
 from PIL import Image
 
+import http_calls
 from cluster import API_KEY, Cluster, Router, iter_sse, wait_until
 from fakes.fake_a1111 import CHECKPOINTS, FakeA1111
 
@@ -151,7 +152,7 @@ def test_img2img_changes_the_input_and_is_reproducible(client: openai.OpenAI) ->
 def test_bad_generation_requests_get_a_400_naming_the_field(
     image_router: Router, body: dict[str, Any], param: str
 ) -> None:
-    r = httpx.post(
+    r = http_calls.post(
         image_router.url + "/v1/images/generations",
         json={"model": MODEL, **body} if "model" not in body else body,
         headers=image_router.headers,
@@ -165,7 +166,7 @@ def test_bad_input_images_get_a_400(client: openai.OpenAI, image_router: Router)
     with pytest.raises(openai.BadRequestError) as caught:
         client.images.edit(model=MODEL, image=("in.png", b"not an image", "image/png"), prompt="x")
     assert "PNG" in str(caught.value)
-    r = httpx.post(
+    r = http_calls.post(
         image_router.url + "/v1/images/edits",
         json={"model": MODEL, "prompt": "x", "image": "%%%"},
         headers=image_router.headers,
@@ -174,7 +175,7 @@ def test_bad_input_images_get_a_400(client: openai.OpenAI, image_router: Router)
     assert "base64" in r.json()["error"]["message"]
     # A PNG signature with a broken body passes the router's check; the worker refuses it.
     broken = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 40).decode()
-    r = httpx.post(
+    r = http_calls.post(
         image_router.url + "/v1/images/edits",
         json={"model": MODEL, "prompt": "x", "image": broken, **SMALL},
         headers=image_router.headers,
@@ -186,7 +187,7 @@ def test_bad_input_images_get_a_400(client: openai.OpenAI, image_router: Router)
 
 def test_streamed_generation_sends_step_progress_then_the_result(image_router: Router) -> None:
     events = []
-    with httpx.stream(
+    with http_calls.stream(
         "POST",
         image_router.url + "/v1/images/generations",
         json={
@@ -216,12 +217,12 @@ def test_jobs_api_runs_txt2img_and_img2img_with_progress(image_router: Router) -
     headers = image_router.headers
 
     def run(body: dict[str, Any]) -> dict[str, Any]:
-        r = httpx.post(image_router.url + "/v1/jobs", json=body, headers=headers)
+        r = http_calls.post(image_router.url + "/v1/jobs", json=body, headers=headers)
         assert r.status_code == 202, r.text
         job_id = r.json()["id"]
 
         def finished() -> dict[str, Any] | None:
-            job: dict[str, Any] = httpx.get(
+            job: dict[str, Any] = http_calls.get(
                 f"{image_router.url}/v1/jobs/{job_id}", headers=headers
             ).json()
             return job if job["status"] not in ("queued", "running") else None
@@ -257,7 +258,7 @@ def test_jobs_api_runs_txt2img_and_img2img_with_progress(image_router: Router) -
     assert edited["status"] == "succeeded", edited
     assert edited["progress"]["total_steps"] == 2  # strength 0.5 runs half the steps
     assert edited["result"]["data"][0]["b64_json"] != source
-    bad = httpx.post(
+    bad = http_calls.post(
         image_router.url + "/v1/jobs",
         json={"type": "txt2img", "model": MODEL, "prompt": "x", "size": "7x7"},
         headers=headers,
@@ -278,7 +279,7 @@ def test_a1111_style_routes_answer_like_automatic1111(image_router: Router) -> N
         "batch_size": 2,
         "sampler_name": "Euler",
     }
-    r = httpx.post(
+    r = http_calls.post(
         image_router.url + "/sdapi/v1/txt2img", json=body, headers=image_router.headers, timeout=60
     )
     assert r.status_code == 200, r.text
@@ -287,7 +288,7 @@ def test_a1111_style_routes_answer_like_automatic1111(image_router: Router) -> N
     info = orjson.loads(answer["info"])
     assert info["all_seeds"] == [11, 12]
     assert info["sampler"] == "Euler"
-    models = httpx.get(
+    models = http_calls.get(
         image_router.url + "/sdapi/v1/sd-models", headers=image_router.headers
     ).json()
     assert [m["model_name"] for m in models] == [MODEL]
@@ -295,7 +296,7 @@ def test_a1111_style_routes_answer_like_automatic1111(image_router: Router) -> N
 
 def test_image_jobs_go_only_to_image_workers(image_router: Router) -> None:
     """The image worker serves no text: a chat request for its model is refused."""
-    r = httpx.post(
+    r = http_calls.post(
         image_router.url + "/v1/chat/completions",
         json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
         headers=image_router.headers,
@@ -358,7 +359,7 @@ def test_image_jobs_cross_routers_sharing_redis(
         back.wait_workers(1, timeout=120)
         front.wait_workers(1, timeout=30)
         body = {"model": MODEL, "prompt": "sea", "size": "64x64", "steps": 3, "seed": 3}
-        with httpx.stream(
+        with http_calls.stream(
             "POST",
             front.url + "/v1/images/generations",
             json={**body, "stream": True},
@@ -369,14 +370,14 @@ def test_image_jobs_cross_routers_sharing_redis(
             events = list(iter_sse(r))
         kinds = [orjson.loads(e)["type"] for e in events[:-1]]
         assert kinds == ["image_generation.progress"] * 3 + ["image_generation.completed"]
-        r = httpx.post(
+        r = http_calls.post(
             front.url + "/v1/jobs", json={"type": "txt2img", **body}, headers=front.headers
         )
         assert r.status_code == 202, r.text
         job_url = f"{back.url}/v1/jobs/{r.json()['id']}"  # any router reads any job
 
         def ended() -> dict[str, Any] | None:
-            job: dict[str, Any] = httpx.get(job_url, headers=back.headers).json()
+            job: dict[str, Any] = http_calls.get(job_url, headers=back.headers).json()
             return job if job["status"] not in ("queued", "running") else None
 
         job = wait_until(ended, 120, "the job to end")
@@ -409,17 +410,19 @@ def test_a_worker_switches_between_its_image_models_on_request(
     )
     try:
         router.wait_workers(1, timeout=120)
-        listed = httpx.get(router.url + "/sdapi/v1/sd-models", headers=router.headers).json()
+        listed = http_calls.get(router.url + "/sdapi/v1/sd-models", headers=router.headers).json()
         assert sorted(m["model_name"] for m in listed) == ["other-sd", "tiny-sd"]
         body = {"prompt": "x", "size": "64x64", "steps": 2, "seed": 4}
         url = router.url + "/v1/images/generations"
         for model in ("other-sd", "tiny-sd", "other-sd"):
-            r = httpx.post(url, json={**body, "model": model}, headers=router.headers, timeout=60)
+            r = http_calls.post(
+                url, json={**body, "model": model}, headers=router.headers, timeout=60
+            )
             assert r.status_code == 200, r.text
             assert r.json()["model"] == model
         log = worker.log()
         assert log.count("unloading to make room") == 3, log[-3000:]
-        no_model = httpx.post(url, json=body, headers=router.headers)
+        no_model = http_calls.post(url, json=body, headers=router.headers)
         assert no_model.status_code == 400
         assert "Several image models" in no_model.json()["error"]["message"]
     finally:
@@ -444,12 +447,12 @@ def test_an_idle_image_model_is_unloaded_and_loads_again_for_the_next_job(
         router.wait_workers(1, timeout=120)
         body = {"prompt": "x", "size": "64x64", "steps": 2, "seed": 4}
         url = router.url + "/v1/images/generations"
-        first = httpx.post(url, json=body, headers=router.headers, timeout=60)
+        first = http_calls.post(url, json=body, headers=router.headers, timeout=60)
         assert first.status_code == 200, first.text
         wait_until(
             lambda: router.workers()[0]["state"] == "unloaded", 30, "the idle image model unloaded"
         )
-        again = httpx.post(url, json=body, headers=router.headers, timeout=60)
+        again = http_calls.post(url, json=body, headers=router.headers, timeout=60)
         assert again.status_code == 200, again.text
         assert again.json()["data"] == first.json()["data"]
         assert router.workers()[0]["state"] == "ready"
@@ -473,11 +476,11 @@ def test_image_models_load_and_unload_on_request(
     )
 
     def states() -> dict[str, str]:
-        r = httpx.get(router.url + "/v1/models", headers=router.headers, timeout=10)
+        r = http_calls.get(router.url + "/v1/models", headers=router.headers, timeout=10)
         return {m["id"]: m["state"] for m in r.json()["data"]}
 
     def control(action: str, model: str) -> httpx.Response:
-        return httpx.post(
+        return http_calls.post(
             f"{router.url}/api/v1/models/{action}",
             json={"model": model},
             headers=router.headers,
@@ -497,7 +500,7 @@ def test_image_models_load_and_unload_on_request(
         wait_until(lambda: states()["other-sd"] == "unloaded", 60, "the unload")
         # A job loads it again.
         body = {"model": "other-sd", "prompt": "x", "size": "64x64", "steps": 2, "seed": 4}
-        r = httpx.post(
+        r = http_calls.post(
             router.url + "/v1/images/generations", json=body, headers=router.headers, timeout=60
         )
         assert r.status_code == 200, r.text

@@ -6,10 +6,10 @@ import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import httpx
 import openai
 import pytest
 
+import http_calls
 from cluster import API_KEY, MODEL, Cluster, Router
 
 pytestmark = pytest.mark.e2e
@@ -147,7 +147,7 @@ async def test_two_workers_serve_parallel_streams(shared: Shared) -> None:
 
 class TestErrors:
     def test_malformed_json_is_400(self, shared: Shared) -> None:
-        r = httpx.post(
+        r = http_calls.post(
             shared.router.url + "/v1/chat/completions",
             content=b"{not json",
             headers={**shared.router.headers, "Content-Type": "application/json"},
@@ -165,7 +165,7 @@ class TestErrors:
         with bad, pytest.raises(openai.AuthenticationError) as info:
             bad.chat.completions.create(model=MODEL, messages=HELLO)
         assert info.value.code == "invalid_api_key"
-        r = httpx.get(shared.router.url + "/v1/models")
+        r = http_calls.get(shared.router.url + "/v1/models")
         assert r.status_code == 401 and "Authorization: Bearer" in r.json()["error"]["message"]
 
     def test_unknown_model_is_404(self, shared: Shared) -> None:
@@ -179,7 +179,7 @@ class TestErrors:
             shared.client.embeddings.create(model=MODEL, input="hello")
 
     def test_unknown_path_is_404_json(self, shared: Shared) -> None:
-        r = httpx.get(shared.router.url + "/v1/nothing-here")
+        r = http_calls.get(shared.router.url + "/v1/nothing-here")
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
     def test_backend_error_passes_through(self, shared: Shared) -> None:
@@ -206,10 +206,10 @@ class TestErrors:
         body = {"model": MODEL, "messages": HELLO, "max_tokens": 2}
         json_headers = {**shared.router.headers, "Content-Type": "application/json"}
         refused = [
-            httpx.post(url, json={**body, "model": "no-such-model"}, headers=json_headers),
-            httpx.post(url, content=b"{not json", headers=json_headers),
-            httpx.post(url, json=body),  # no key
-            httpx.get(shared.router.url + "/v1/models/no-such-model", headers=json_headers),
+            http_calls.post(url, json={**body, "model": "no-such-model"}, headers=json_headers),
+            http_calls.post(url, content=b"{not json", headers=json_headers),
+            http_calls.post(url, json=body),  # no key
+            http_calls.get(shared.router.url + "/v1/models/no-such-model", headers=json_headers),
         ]
         assert [r.status_code for r in refused] == [404, 400, 401, 404]
         ids = [r.headers.get("x-request-id") for r in refused]

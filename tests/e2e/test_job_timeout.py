@@ -10,9 +10,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import httpx
 import pytest
 
+import http_calls
 from cluster import MODEL, Cluster, Router, iter_sse, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -34,7 +34,7 @@ def stream(router: Router) -> tuple[int, dict[str, Any], bool, float]:
     started = time.monotonic()
     content, error, done = 0, {}, False
     body = {**LONG, "stream": True}
-    with httpx.stream(
+    with http_calls.stream(
         "POST", router.url + "/v1/chat/completions", json=body, headers=router.headers, timeout=60
     ) as r:
         assert r.status_code == 200, r.read()
@@ -53,7 +53,7 @@ def stream(router: Router) -> tuple[int, dict[str, Any], bool, float]:
 def generating(router: Router) -> bool:
     """Whether the (one) worker's llama-server is working on a request."""
     [worker] = router.workers()
-    slots = httpx.get(worker["backend_url"] + "/slots", timeout=5).json()
+    slots = http_calls.get(worker["backend_url"] + "/slots", timeout=5).json()
     return any(s["is_processing"] for s in slots)
 
 
@@ -69,7 +69,7 @@ def test_requests_past_the_job_timeout_fail_and_their_worker_stops(cluster: Clus
         wait_until(lambda: generating(router), 30, "the stream to run")
         # The worker's one slot is taken: this one waits, then runs, and times out too.
         t0 = time.monotonic()
-        whole = httpx.post(url, json=LONG, headers=router.headers, timeout=60)
+        whole = http_calls.post(url, json=LONG, headers=router.headers, timeout=60)
         waited = time.monotonic() - t0
         content, error, done, took = streamed.result()
 
@@ -85,17 +85,17 @@ def test_requests_past_the_job_timeout_fail_and_their_worker_stops(cluster: Clus
 
     # Both were stopped at the worker: its llama-server is idle long before 2000 tokens.
     wait_until(lambda: not generating(router), 5, "the worker to stop generating")
-    quick = httpx.post(url, json={**LONG, "max_tokens": 4}, headers=router.headers, timeout=30)
+    quick = http_calls.post(url, json={**LONG, "max_tokens": 4}, headers=router.headers, timeout=30)
     assert quick.status_code == 200, quick.text
 
-    job = httpx.post(
+    job = http_calls.post(
         router.url + "/v1/jobs", json={"type": "chat_completion", **LONG}, headers=router.headers
     )
     assert job.status_code == 202, job.text
     job_url = f"{router.url}/v1/jobs/{job.json()['id']}"
 
     def failed() -> dict[str, Any] | None:
-        record: dict[str, Any] = httpx.get(job_url, headers=router.headers).json()
+        record: dict[str, Any] = http_calls.get(job_url, headers=router.headers).json()
         return record if record["status"] == "failed" else None
 
     record = wait_until(failed, LIMIT_S + 10, "the async job to fail")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import pytest
 
+import http_calls
 from cluster import MODEL, Cluster, Router, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -15,7 +15,7 @@ ASK = {"model": MODEL, "max_tokens": 6, "messages": [{"role": "user", "content":
 
 
 def _job(router: Router, job_id: str) -> dict[str, Any]:
-    r = httpx.get(f"{router.url}/v1/jobs/{job_id}", headers=router.headers, timeout=10)
+    r = http_calls.get(f"{router.url}/v1/jobs/{job_id}", headers=router.headers, timeout=10)
     r.raise_for_status()
     job: dict[str, Any] = r.json()
     return job
@@ -29,7 +29,7 @@ def test_async_job_lifecycle_with_records_shared_through_redis(
     b = cluster.router(*shared)
     cluster.worker(a)
     a.wait_workers(1)
-    posted = httpx.post(
+    posted = http_calls.post(
         a.url + "/v1/jobs", json={"type": "chat_completion", **ASK}, headers=a.headers
     )
     assert posted.status_code == 202, posted.text
@@ -42,16 +42,16 @@ def test_async_job_lifecycle_with_records_shared_through_redis(
     # The other router sees the same record (it lives in Redis).
     assert _job(b, job_id)["status"] == "succeeded"
     # A finished job cannot be cancelled; unknown ids and bad types are clear errors.
-    gone = httpx.delete(f"{b.url}/v1/jobs/{job_id}", headers=b.headers)
+    gone = http_calls.delete(f"{b.url}/v1/jobs/{job_id}", headers=b.headers)
     assert gone.status_code == 409
-    assert httpx.get(f"{a.url}/v1/jobs/job_nope", headers=a.headers).status_code == 404
-    bad = httpx.post(a.url + "/v1/jobs", json={"type": "painting", **ASK}, headers=a.headers)
+    assert http_calls.get(f"{a.url}/v1/jobs/job_nope", headers=a.headers).status_code == 404
+    bad = http_calls.post(a.url + "/v1/jobs", json={"type": "painting", **ASK}, headers=a.headers)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "type"
     # A model no worker serves is refused at submit, as the request itself is (it was
     # accepted with 202, and failed later).
     unknown = {"type": "chat_completion", **ASK, "model": "no-such-model"}
     for router in (a, b):
-        refused = httpx.post(router.url + "/v1/jobs", json=unknown, headers=router.headers)
+        refused = http_calls.post(router.url + "/v1/jobs", json=unknown, headers=router.headers)
         assert refused.status_code == 404, refused.text
         assert refused.json()["error"]["code"] == "model_not_found"
         assert MODEL in refused.json()["error"]["message"]  # what is served instead
@@ -63,7 +63,7 @@ def test_cancelling_queued_and_running_jobs(cluster: Cluster) -> None:
     router.wait_workers(1)
     long = {"type": "completion", "model": MODEL, "prompt": "Once", "max_tokens": 400}
     posts = [
-        httpx.post(
+        http_calls.post(
             router.url + "/v1/jobs", json={**long, "ignore_eos": True}, headers=router.headers
         ).json()
         for _ in range(2)
@@ -76,11 +76,11 @@ def test_cancelling_queued_and_running_jobs(cluster: Cluster) -> None:
     wait_until(lambda: _job(router, running)["status"] == "running", 30, "the first job to run")
     assert _job(router, queued)["status"] == "queued"  # the worker's one slot is taken
     for job_id in (queued, running):
-        cancelled = httpx.delete(f"{router.url}/v1/jobs/{job_id}", headers=router.headers)
+        cancelled = http_calls.delete(f"{router.url}/v1/jobs/{job_id}", headers=router.headers)
         assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
         assert _job(router, job_id)["status"] == "cancelled"
     # The slot is free again: llama-server stopped generating for the cancelled job.
-    after = httpx.post(router.url + "/v1/chat/completions", json=ASK, headers=router.headers)
+    after = http_calls.post(router.url + "/v1/chat/completions", json=ASK, headers=router.headers)
     assert after.status_code == 200
 
 
@@ -90,8 +90,8 @@ def test_deterministic_requests_are_answered_from_the_cache(cluster: Cluster) ->
     router.wait_workers(1)
     greedy = {**ASK, "temperature": 0}
     url = router.url + "/v1/chat/completions"
-    first = httpx.post(url, json=greedy, headers=router.headers, timeout=60)
-    again = httpx.post(url, json=greedy, headers=router.headers, timeout=60)
+    first = http_calls.post(url, json=greedy, headers=router.headers, timeout=60)
+    again = http_calls.post(url, json=greedy, headers=router.headers, timeout=60)
     assert first.headers["x-shoal-cache"] == "miss" and again.headers["x-shoal-cache"] == "hit"
     assert again.json()["choices"] == first.json()["choices"]
     assert "x-shoal-worker" not in again.headers  # no worker was asked
@@ -100,16 +100,18 @@ def test_deterministic_requests_are_answered_from_the_cache(cluster: Cluster) ->
     assert [s[0] for s in streamed] == ["miss", "hit"]
     assert streamed[0][1] == streamed[1][1] and streamed[1][1].endswith("data: [DONE]\n\n")
 
-    sampled = httpx.post(url, json={**ASK, "temperature": 0.8}, headers=router.headers, timeout=60)
+    sampled = http_calls.post(
+        url, json={**ASK, "temperature": 0.8}, headers=router.headers, timeout=60
+    )
     assert "x-shoal-cache" not in sampled.headers  # not deterministic: never cached
-    fresh = httpx.post(
+    fresh = http_calls.post(
         url, json=greedy, headers={**router.headers, "Cache-Control": "no-cache"}, timeout=60
     )
     assert fresh.headers["x-shoal-cache"] == "miss"
 
 
 def _sse(router: Router, body: dict[str, Any]) -> tuple[str, str]:
-    with httpx.stream(
+    with http_calls.stream(
         "POST", router.url + "/v1/chat/completions", json=body, headers=router.headers, timeout=60
     ) as r:
         text = "".join(r.iter_text())

@@ -8,9 +8,9 @@ any other string, kept working until another key was created.
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
+import http_calls
 from cluster import Cluster, Router, keys_cli
 
 
@@ -21,7 +21,7 @@ def create(database_url: str, name: str) -> str:
 
 def status(router: Router, secret: str | None) -> int:
     headers = {"Authorization": f"Bearer {secret}"} if secret else {}
-    return httpx.get(f"{router.url}/v1/models", headers=headers, timeout=10).status_code
+    return http_calls.get(f"{router.url}/v1/models", headers=headers, timeout=10).status_code
 
 
 @pytest.mark.parametrize("database", ["sqlite", "postgresql"])

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-import httpx
 import pytest
 
+import http_calls
 from cluster import API_KEY, GPU_KEY, MODEL, Cluster, Router, keys_cli
 from shoal.keys.usage import hour_start
 
@@ -38,7 +38,7 @@ def new_key(database_url: str, scope: str, *name: str) -> str:
 def error(router: Router, method: str, path: str, key: str | None) -> tuple[int, str]:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     body = ASK if method == "POST" else None
-    r = httpx.request(method, router.url + path, json=body, headers=headers, timeout=10)
+    r = http_calls.request(method, router.url + path, json=body, headers=headers, timeout=10)
     message = str(r.json()["error"]["message"]) if r.status_code >= 400 else ""
     return r.status_code, message
 
@@ -91,11 +91,11 @@ def test_usage_takes_a_key_by_name_and_says_it_counts_whole_hours(cluster: Clust
     router = cluster.router()
     headers = {"Authorization": f"Bearer {admin}"}
     before = datetime.now(UTC) - timedelta(minutes=5)
-    r = httpx.get(router.url + "/api/v1/usage?since=5m&key=app", headers=headers, timeout=10)
+    r = http_calls.get(router.url + "/api/v1/usage?since=5m&key=app", headers=headers, timeout=10)
     after = datetime.now(UTC) - timedelta(minutes=5)
     assert r.status_code == 200, r.text
     counted_from = datetime.fromisoformat(r.json()["since"])
     assert counted_from in {hour_start(before), hour_start(after)}  # not 5 minutes ago
     assert r.json()["data"] == []
-    r = httpx.get(router.url + "/api/v1/usage?key=nobody", headers=headers, timeout=10)
+    r = http_calls.get(router.url + "/api/v1/usage?key=nobody", headers=headers, timeout=10)
     assert r.status_code == 400 and "no key has the id, prefix or name" in r.text

@@ -7,10 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
+import http_calls
 from cluster import API_KEY, Cluster, Proc, clean_env, free_port, wait_until
 from shoal.pip_download import file_sha256
 
@@ -32,7 +32,7 @@ def test_worker_fetches_its_model_from_the_routers_store(
 ) -> None:
     _stock(tmp_path / "store", model_path, "Smol-Store.gguf")
     router = cluster.router("--storage", str(tmp_path / "store"))
-    registry = httpx.get(router.url + "/api/v1/models/registry", headers=router.headers).json()
+    registry = http_calls.get(router.url + "/api/v1/models/registry", headers=router.headers).json()
     assert [m["id"] for m in registry["data"]] == ["smol-store"]
     worker = cluster.worker(
         router,
@@ -71,15 +71,17 @@ def test_shoal_data_serves_ranges(model_path: Path, tmp_path: Path) -> None:
     ).start()
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: httpx.get(base + "/api/v1/models/registry").is_success, 30, "store")
-        pull = httpx.post(base + "/api/v1/models/smol/pull", json={"layers": [3, 5]}).json()
+        wait_until(lambda: http_calls.get(base + "/api/v1/models/registry").is_success, 30, "store")
+        pull = http_calls.post(base + "/api/v1/models/smol/pull", json={"layers": [3, 5]}).json()
         start, end = pull["ranges"][-1]
-        got = httpx.get(base + pull["file_url"], headers={"Range": f"bytes={start}-{end - 1}"})
+        got = http_calls.get(base + pull["file_url"], headers={"Range": f"bytes={start}-{end - 1}"})
         assert got.status_code == 206
         with stored.open("rb") as f:
             f.seek(start)
             assert got.content == f.read(end - start)
-        upload = httpx.post(base + "/api/v1/storage/upload?id=x&sha256=" + "0" * 64, content=b"x")
+        upload = http_calls.post(
+            base + "/api/v1/storage/upload?id=x&sha256=" + "0" * 64, content=b"x"
+        )
         assert upload.status_code == 403 and "admin" in upload.json()["error"]["message"]
     finally:
         proc.stop()

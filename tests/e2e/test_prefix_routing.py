@@ -13,10 +13,10 @@ import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
+import http_calls
 from cluster import MODEL, Cluster, Router, wait_until
 from shoal.worker.redis_pull import consumer_name
 
@@ -83,7 +83,7 @@ def test_a_tenant_returns_to_the_worker_holding_its_prompt(
             assert re.search(r"prompt speed: [\d.]+ ms per token", proc.log()), proc.log()[-2000:]
     held = by_id(router)
     assert held[a1]["cached_blocks"] and held[b1]["cached_blocks"]
-    metrics = httpx.get(router.url + "/metrics", headers=router.headers, timeout=5).text
+    metrics = http_calls.get(router.url + "/metrics", headers=router.headers, timeout=5).text
     cached = re.search(r'shoal_prompt_tokens_total\{model="[^"]+",source="cached"\} (\S+)', metrics)
     assert cached is not None and float(cached.group(1)) >= a2_cached + b2_cached
 
@@ -141,7 +141,10 @@ def test_a_restarted_llama_server_holds_nothing(cluster: Cluster, make_client: C
     router.wait_workers(2)
     wait_until(lambda: not by_id(router)[first]["cached_blocks"], 15, "its holdings to clear")
     # the new llama-server listens on a new port: the router lists that one (not the dead one's)
-    assert httpx.get(by_id(router)[first]["backend_url"] + "/health", timeout=5).status_code == 200
+    assert (
+        http_calls.get(by_id(router)[first]["backend_url"] + "/health", timeout=5).status_code
+        == 200
+    )
     # Were tenant-a's prompt still counted on `first`, it would go there; it goes by load.
     back, _ = ask(client, "tenant-a", "Hello again?", rules=short)
     assert back == other

@@ -12,11 +12,11 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 import redis
 
+import http_calls
 from cluster import API_KEY, MODEL, Cluster, Router, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -69,9 +69,9 @@ def test_router_with_only_a_pull_worker_serves_the_openai_client(
     assert listed["name"] == "puller" and listed["router"] == "pull"
     assert listed["connection"] == "redis-pull"
     assert [m["name"] for m in listed["models"]] == [MODEL]
-    models = httpx.get(router.url + "/v1/models", headers=AUTH, timeout=5).json()["data"]
+    models = http_calls.get(router.url + "/v1/models", headers=AUTH, timeout=5).json()["data"]
     assert [(m["id"], m["workers"], m["state"]) for m in models] == [(MODEL, 1, "ready")]
-    assert httpx.get(router.url + "/health", timeout=5).json()["status"] == "ok"
+    assert http_calls.get(router.url + "/health", timeout=5).json()["status"] == "ok"
 
     client = make_client(router.url)
     messages: list[openai.types.chat.ChatCompletionMessageParam] = [
@@ -119,7 +119,9 @@ def test_job_of_a_killed_pull_worker_runs_again_on_another(
     answer: dict[str, object] = {}
 
     def ask() -> None:
-        r = httpx.post(router.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120)
+        r = http_calls.post(
+            router.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120
+        )
         answer["status"] = r.status_code
         answer["id"] = r.headers.get("x-request-id")
         answer["body"] = r.json() if r.status_code == 200 else r.text

@@ -6,10 +6,10 @@ import threading
 import time
 from collections.abc import Callable
 
-import httpx
 import openai
 import pytest
 
+import http_calls
 from cluster import API_KEY, MODEL, Cluster, Router, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -25,7 +25,7 @@ LONG = {
 
 
 def _hold_slot(url: str, started: threading.Event, stop: threading.Event) -> None:
-    with httpx.stream(
+    with http_calls.stream(
         "POST",
         url + "/v1/chat/completions",
         json=LONG,
@@ -39,7 +39,7 @@ def _hold_slot(url: str, started: threading.Event, stop: threading.Event) -> Non
 
 
 def _queued(router: Router) -> int:
-    models = httpx.get(router.url + "/v1/models", headers=router.headers).json()["data"]
+    models = http_calls.get(router.url + "/v1/models", headers=router.headers).json()["data"]
     return int(models[0]["queued"])
 
 

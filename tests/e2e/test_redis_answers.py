@@ -8,9 +8,9 @@ uses its own key prefix (``redis_prefix``), deleted afterwards.
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
+import http_calls
 from cluster import API_KEY, MODEL, Cluster, Router, iter_sse, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -26,7 +26,7 @@ def shared_router(cluster: Cluster, prefix: str) -> Router:
 
 def answered_by(router: Router, *, stream: bool) -> tuple[str | None, str]:
     """The ``x-shoal-worker`` header of one answer (None if missing), and the job id."""
-    with httpx.stream(
+    with http_calls.stream(
         "POST",
         router.url + "/v1/chat/completions",
         json={**ASK, "stream": stream},
@@ -57,6 +57,6 @@ def test_every_answer_names_its_worker_and_a_404_lists_the_clusters_models(
             assert worker == on_a["id"], (router.url, stream, job_id)
 
     # B has no worker of its own: its 404 still names the model A's worker serves.
-    r = httpx.post(b.url + "/v1/chat/completions", json={**ASK, "model": "nope"}, headers=AUTH)
+    r = http_calls.post(b.url + "/v1/chat/completions", json={**ASK, "model": "nope"}, headers=AUTH)
     assert r.status_code == 404
     assert f"Available: {MODEL}." in r.json()["error"]["message"], r.text

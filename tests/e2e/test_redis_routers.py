@@ -21,6 +21,7 @@ import httpx
 import pytest
 import redis
 
+import http_calls
 from cluster import API_KEY, MODEL, Cluster, Router, iter_sse, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -47,7 +48,7 @@ def shared_router(cluster: Cluster, prefix: str, *args: str, port: int | None = 
 
 
 def models(router: Router) -> list[dict[str, object]]:
-    r = httpx.get(router.url + "/v1/models", headers=router.headers, timeout=5)
+    r = http_calls.get(router.url + "/v1/models", headers=router.headers, timeout=5)
     r.raise_for_status()
     data: list[dict[str, object]] = r.json()["data"]
     return data
@@ -72,7 +73,7 @@ def test_request_to_one_router_is_served_by_a_worker_on_another(
     # B's open /health counts A's worker too (the cluster's, not just its own), once B's
     # copy of the worker list has it ready.
     health = wait_until(
-        lambda: (h := httpx.get(b.url + "/health", timeout=5).json())["ready_workers"] and h,
+        lambda: (h := http_calls.get(b.url + "/health", timeout=5).json())["ready_workers"] and h,
         10,
         "router B's /health to count A's ready worker",
     )
@@ -81,13 +82,13 @@ def test_request_to_one_router_is_served_by_a_worker_on_another(
     assert [m["id"] for m in models(b)] == [m["id"] for m in models(a)] == [MODEL]
     assert models(b)[0]["workers"] == 1
 
-    r = httpx.post(b.url + "/v1/chat/completions", json=ASK, headers=AUTH, timeout=60)
+    r = http_calls.post(b.url + "/v1/chat/completions", json=ASK, headers=AUTH, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"]
     job_id = r.headers["x-request-id"]
     assert f"job {job_id} model={MODEL} (attempt 1) -> worker {on_a['id']}" in a.proc.log()
 
-    with httpx.stream(
+    with http_calls.stream(
         "POST",
         b.url + "/v1/chat/completions",
         json={**ASK, "stream": True},
@@ -99,7 +100,7 @@ def test_request_to_one_router_is_served_by_a_worker_on_another(
     assert payloads[-1] == "[DONE]" and len(payloads) >= 2
 
     # An unknown model is still a 404 on either router.
-    r = httpx.post(b.url + "/v1/chat/completions", json={**ASK, "model": "nope"}, headers=AUTH)
+    r = http_calls.post(b.url + "/v1/chat/completions", json={**ASK, "model": "nope"}, headers=AUTH)
     assert r.status_code == 404
 
 
@@ -257,7 +258,7 @@ def test_job_of_a_killed_worker_runs_again_on_another(cluster: Cluster, redis_pr
 
     def ask() -> None:
         body = {**ASK, "max_tokens": 4, "messages": [{"role": "user", "content": long_prompt}]}
-        r = httpx.post(b.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120)
+        r = http_calls.post(b.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120)
         answer["status"] = r.status_code
         answer["id"] = r.headers.get("x-request-id")
         answer["body"] = r.text
@@ -304,7 +305,7 @@ def test_stream_goes_on_when_the_router_holding_it_dies(
 
     def stream(on_chunk: Callable[[int], None] = lambda n: None) -> tuple[str, str, int, str]:
         text, finish, tokens = [], "", 0
-        with httpx.stream(
+        with http_calls.stream(
             "POST", a.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120
         ) as r:
             assert r.status_code == 200, r.read()

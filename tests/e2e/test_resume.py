@@ -20,6 +20,7 @@ import psutil
 import pytest
 import redis
 
+import http_calls
 from cluster import API_KEY, MODEL, Cluster, Proc, Router, iter_sse, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -58,7 +59,7 @@ def ask(router: Router, fault: Callable[[str], None] | None = None) -> Answer:
     answer = Answer()
     content = 0
     last = 0.0
-    with httpx.stream(
+    with http_calls.stream(
         "POST",
         router.url + "/v1/chat/completions",
         json=BODY,
@@ -133,7 +134,7 @@ def resumed(routers: list[Router], reason: str) -> float:
     line = f'shoal_jobs_resumed_total{{model="{MODEL}",reason="{reason}"}} '
     total = 0.0
     for router in routers:
-        text = httpx.get(router.url + "/metrics", headers=router.headers).text
+        text = http_calls.get(router.url + "/metrics", headers=router.headers).text
         total += sum(float(x[len(line) :]) for x in text.splitlines() if x.startswith(line))
     return total
 
@@ -279,7 +280,7 @@ def test_a_frozen_workers_answer_goes_on_before_its_heartbeats_time_out(fleet: F
 def tasks(backend_url: str) -> dict[int, int]:
     """Tokens generated so far by each task llama-server is working on (by ``id_task``)."""
     try:
-        slots = httpx.get(backend_url + "/slots", timeout=2).json()
+        slots = http_calls.get(backend_url + "/slots", timeout=2).json()
     except httpx.HTTPError:  # a llama-server restarting
         return {}
     return {s["id_task"]: s["next_token"][0]["n_decoded"] for s in slots if s["is_processing"]}

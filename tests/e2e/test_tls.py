@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+import http_calls
 from certs import Certs, make_certs
 from cluster import API_KEY, MODEL, STARTUP_TIMEOUT_S, Cluster, Proc, Router, wait_until
 
@@ -139,7 +140,7 @@ def test_plain_http_to_the_tls_port_is_answered_and_named_once(
     worker, which never joins, warns once what to check."""
     router = https_router(cluster, certs)
     plain = f"http://127.0.0.1:{router.port}"
-    answer = httpx.get(plain + "/health", timeout=10)
+    answer = http_calls.get(plain + "/health", timeout=10)
     assert answer.status_code == 400 and answer.json()["error"]["code"] == "tls_required"
     assert "use https://" in answer.json()["error"]["message"]
 

@@ -8,10 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
+import http_calls
 from cluster import (
     CLUSTER_TAG,
     MODEL,
@@ -83,9 +83,9 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path, llama_server: Path, model_p
         assert f"export OPENAI_BASE_URL=http://127.0.0.1:{port}/v1\n" in log
         assert 'Bearer $OPENAI_API_KEY"' in log
         body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
-        assert httpx.post(curl.group(1), json=body).status_code == 401
+        assert http_calls.post(curl.group(1), json=body).status_code == 401
         auth = {"Authorization": f"Bearer {key.group(1)}"}
-        r = httpx.post(curl.group(1), json=body, headers=auth, timeout=60)
+        r = http_calls.post(curl.group(1), json=body, headers=auth, timeout=60)
         assert r.status_code == 200 and r.json()["model"] == MODEL
         base = f"http://127.0.0.1:{port}/v1"
         with openai.OpenAI(base_url=base, api_key=key.group(1)) as client:
@@ -96,7 +96,7 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path, llama_server: Path, model_p
             admin_auth = {"Authorization": f"Bearer {admin.group(1)}"}
 
             def names() -> set[str]:
-                r = httpx.get(f"http://127.0.0.1:{port}/api/v1/workers", headers=admin_auth)
+                r = http_calls.get(f"http://127.0.0.1:{port}/api/v1/workers", headers=admin_auth)
                 return {w["name"] for w in r.json()["data"]}
 
             wait_until(lambda: names() == {"local", "second"}, 60, "the second worker")
@@ -150,11 +150,11 @@ def test_up_beyond_loopback_generates_a_key(
         key = re.search(r"API key: +(sk-shoal-\S+)", proc.log())
         assert key is not None
         url = f"http://127.0.0.1:{port}/v1/models"
-        assert httpx.get(url).status_code == 401
-        assert httpx.get(url, headers={"Authorization": f"Bearer {key.group(1)}"}).is_success
+        assert http_calls.get(url).status_code == 401
+        assert http_calls.get(url, headers={"Authorization": f"Bearer {key.group(1)}"}).is_success
         assert proc.log().count(key.group(1)) == 2  # the banner's key line and its export only
         exported_key = {"Authorization": "Bearer sk-client-export"}
-        assert httpx.get(url, headers=exported_key).status_code == 401
+        assert http_calls.get(url, headers=exported_key).status_code == 401
         assert proc.log().count("SHOAL_API_KEY is set here and ignored") == 1
         assert "sk-client-export" not in proc.log()
     finally:

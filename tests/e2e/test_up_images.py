@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
+import http_calls
 from cluster import CLUSTER_TAG, MODEL, Proc, clean_env, free_port, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -35,23 +35,23 @@ def test_up_serves_images_next_to_text(
         assert "/v1/images/generations" in proc.log()
         url, headers = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {KEY}"}
         body = {"prompt": "a lighthouse", "size": "64x64", "steps": 3, "seed": 1}
-        r = httpx.post(url + "/v1/images/generations", json=body, headers=headers, timeout=120)
+        r = http_calls.post(url + "/v1/images/generations", json=body, headers=headers, timeout=120)
         assert r.status_code == 200, r.text
         png = base64.b64decode(r.json()["data"][0]["b64_json"])
         assert png.startswith(b"\x89PNG\r\n\x1a\n")
-        r = httpx.post(url + "/v1/jobs", json={"type": "txt2img", **body}, headers=headers)
+        r = http_calls.post(url + "/v1/jobs", json={"type": "txt2img", **body}, headers=headers)
         assert r.status_code == 202, r.text
         job_url = f"{url}/v1/jobs/{r.json()['id']}"
 
         def ended() -> dict[str, Any] | None:
-            job: dict[str, Any] = httpx.get(job_url, headers=headers).json()
+            job: dict[str, Any] = http_calls.get(job_url, headers=headers).json()
             return job if job["status"] not in ("queued", "running") else None
 
         job = wait_until(ended, 120, "the txt2img job to end")
         assert job["status"] == "succeeded", job
         assert job["progress"]["step"] == job["progress"]["total_steps"] == 3
         assert base64.b64decode(job["result"]["data"][0]["b64_json"]) == png
-        chat = httpx.post(
+        chat = http_calls.post(
             url + "/v1/chat/completions",
             json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
             headers=headers,

@@ -8,11 +8,11 @@ import re
 import shutil
 from pathlib import Path
 
-import httpx
 import openai
 import psutil
 import pytest
 
+import http_calls
 from cluster import API_KEY, MODEL, Cluster, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -28,7 +28,9 @@ def _ask(router_url: str, model: str) -> str:
 
 
 def _model_entry(router_url: str, model: str) -> dict[str, object]:
-    r = httpx.get(f"{router_url}/v1/models/{model}", headers={"Authorization": f"Bearer {API_KEY}"})
+    r = http_calls.get(
+        f"{router_url}/v1/models/{model}", headers={"Authorization": f"Bearer {API_KEY}"}
+    )
     r.raise_for_status()
     entry: dict[str, object] = r.json()
     return entry
@@ -78,7 +80,7 @@ def test_worker_without_model_serves_the_routers_default(
     assert [m["name"] for m in info["models"]] == ["house-default"]
     assert "serving the router's default model house-default" in worker.log()
     # A request that names no model gets the router's default, served by that worker.
-    r = httpx.post(
+    r = http_calls.post(
         router.url + "/v1/chat/completions",
         headers=router.headers,
         json={"max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]},

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+import http_calls
 from cluster import Proc, clean_env, free_port, wait_until
 from shoal.llama_cpp.binaries import rpc_server_beside
 from tunnel_rig import tunnel_rig
@@ -57,7 +58,7 @@ def server_argv(llama_server: Path, model_path: Path, port: int, *extra: str) ->
 async def complete(port: int, proc: Proc) -> str:
     def healthy() -> bool:
         assert proc.alive(), proc.log()[-3000:]
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+        return http_calls.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
 
     await asyncio.to_thread(wait_until, healthy, 60, "llama-server /health")
     body = {

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import http_calls
 from cluster import plain_llama_server
 from shoal.jobs.answer import AnswerSoFar
 from shoal.protocol.ids import JobId, ModelName
@@ -228,7 +229,7 @@ class ListSink:
 
 def _forget(llama_url: str) -> None:
     """Empty the slot's cache: the next request is evaluated as on another worker."""
-    httpx.post(f"{llama_url}/slots/0?action=erase").raise_for_status()
+    http_calls.post(f"{llama_url}/slots/0?action=erase").raise_for_status()
 
 
 @pytest.fixture

@@ -36,7 +36,8 @@ LAYERS: Mapping[str, Layers] = {
         ("llama_cpp",),
         ("hardware", "keys", "tunnel", "redis_queue"),
         ("jobs",),
-        ("protocol", "serving", "settings", "pip_download", "security", "lifecycle"),
+        ("serving",),  # every server's uvicorn, over the settings they share
+        ("protocol", "settings", "pip_download", "security", "lifecycle"),
         ("tls_listener", "paths", "progress"),
         ("api_errors", "units"),
         ("__init__",),

@@ -38,6 +38,18 @@ from pydantic_settings import (
 
 from shoal.paths import default_cache_dir
 
+KEEP_ALIVE_S = 75
+"""Seconds an idle client connection stays open (nginx's default too): every server's
+default (``serving.py``), the router's ``--keep-alive``.
+
+A server that closes an idle connection races a client that is just reusing it: a request
+written as the server closes is lost (``Server disconnected without sending a response``).
+Only the side that closes first avoids it, so this must outlast the time client pools keep
+idle connections: httpx and the openai client 5 s (uvicorn's own default is also 5 s, hence
+the race), aiohttp 15 s, nginx upstream pools 60 s. Behind a proxy that keeps them longer,
+raise the router's ``--keep-alive`` above the proxy's idle timeout.
+"""
+
 ENV_PREFIX = "SHOAL_"
 CLIENT_KEY_VARIABLE = "SHOAL_API_KEY"
 """What the README once told clients to export: read by no command, never a server's."""

@@ -7,6 +7,7 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 
@@ -17,12 +18,15 @@ from shoal.models.catalog import CatalogEntry
 from shoal.models.catalog_file import load_catalog
 from shoal.models.default import DEFAULT_MODEL
 from shoal.models.errors import ModelError
-from shoal.models.fit import FitDecision
-from shoal.models.hub import HubConfig
-from shoal.models.resolve import FitContext, pypi_quantization
 from shoal.settings import CommonSettings, add_settings_flags
 from shoal.units import format_bytes
 from shoal.worker.settings import WorkerSettings
+
+if TYPE_CHECKING:  # at run time each command imports what it uses: NumPy, gguf and
+    # huggingface_hub are most of a second that `shoal --help` and `shoal keys` never need
+    from shoal.models.fit import FitDecision
+    from shoal.models.hub import HubConfig
+    from shoal.models.resolve import FitContext
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -105,6 +109,8 @@ Parser = argparse.ArgumentParser
 
 def _fit_here(settings: FitSettings) -> FitContext:
     """This machine as the fit sees it, for the settings' context and GPUs."""
+    from shoal.models.resolve import FitContext
+
     gpus = settings.gpu_devices
     try:
         indices = parse_gpu_devices(gpus) if gpus else None
@@ -119,6 +125,8 @@ def _fit_here(settings: FitSettings) -> FitContext:
 
 
 def _hub_config(settings: ModelsSettings) -> HubConfig:
+    from shoal.models.hub import HubConfig
+
     config = HubConfig.from_env(os.environ)  # HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE
     if settings.offline:
         config = config.without_downloads("offline mode is on (--offline)")
@@ -156,6 +164,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def models_list(args: argparse.Namespace) -> int:
     from shoal.models.budget import budget_for
     from shoal.models.fit import fits_machine
+    from shoal.models.resolve import pypi_quantization
 
     settings = settings_for(FitSettings, args)
     logs.setup(settings.log_level)

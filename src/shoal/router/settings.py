@@ -9,8 +9,13 @@ from pydantic import Field, field_validator, model_validator
 
 from shoal.models.default import DEFAULT_MODEL
 from shoal.security import is_loopback
-from shoal.serving import KEEP_ALIVE_S
-from shoal.settings import CommonSettings, SecretList, server_variable, split_commas
+from shoal.settings import (
+    KEEP_ALIVE_S,
+    CommonSettings,
+    SecretList,
+    server_variable,
+    split_commas,
+)
 
 ROUTER_API_KEY_VARIABLE = server_variable("router", "api_key")
 """``--api-key``'s variable: the router's own (a client's shell holds OPENAI_API_KEY)."""

@@ -1,44 +1,40 @@
-"""``httpx.get``/``post``/``stream``/… for tests, on shared clients.
+"""``httpx.get``/``post``/``stream``/… for tests, without an SSL context per call.
 
-``http_calls.get(url)`` builds a client, and with it an SSL context that loads the whole CA bundle,
-on every call: 30–80 ms of CPU each on these machines, and the tests poll a router every
-50 ms while its processes start on the same two cores. These functions take the same
-arguments (``verify=`` included) and reuse one client per ``verify`` value, with no cookie
-jar, so that a call carries nothing an earlier one left behind.
+``httpx.get(url)`` builds a client and, with it, an SSL context that loads the whole CA bundle:
+30–280 ms of CPU per call on these machines (even for a plain ``http://`` URL), while the tests
+poll a router every 50 ms beside the processes they start on the same two cores. These
+functions take the same arguments (``verify=`` included) and behave as httpx's do, a fresh
+client and connection per call (a call that times out closes its connection, as a client that
+gives up does; nothing is pooled or kept between calls), but the SSL context for each
+``verify`` value is made once.
 """
 
 from __future__ import annotations
 
+import functools
 import ssl
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Any
 
 import httpx
 
 Verify = ssl.SSLContext | str | bool
 
-_clients: dict[object, tuple[Verify, httpx.Client]] = {}
-_lock = threading.Lock()
+
+@functools.cache
+def _context(verify: str | bool) -> ssl.SSLContext:
+    return httpx.create_ssl_context(verify=verify)
 
 
-def client(verify: Verify = True) -> httpx.Client:
-    """The shared client for ``verify`` (a context is told apart by identity)."""
-    key: object = id(verify) if isinstance(verify, ssl.SSLContext) else verify
-    with _lock:
-        found = _clients.get(key)
-        if found is None:
-            jar = CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
-            # The context is kept with its client: its id must not be reused while it is a key.
-            found = _clients[key] = (verify, httpx.Client(verify=verify, cookies=jar))
-        return found[1]
+def _client(verify: Verify) -> httpx.Client:
+    context = verify if isinstance(verify, ssl.SSLContext) else _context(verify)
+    return httpx.Client(verify=context)
 
 
 def request(method: str, url: str, *, verify: Verify = True, **kwargs: Any) -> httpx.Response:
-    kwargs.setdefault("timeout", httpx.Timeout(5.0))
-    return client(verify).request(method, url, **kwargs)
+    with _client(verify) as client:
+        return client.request(method, url, **kwargs)
 
 
 def get(url: str, **kwargs: Any) -> httpx.Response:
@@ -57,6 +53,5 @@ def delete(url: str, **kwargs: Any) -> httpx.Response:
 def stream(
     method: str, url: str, *, verify: Verify = True, **kwargs: Any
 ) -> Iterator[httpx.Response]:
-    kwargs.setdefault("timeout", httpx.Timeout(5.0))
-    with client(verify).stream(method, url, **kwargs) as response:
+    with _client(verify) as client, client.stream(method, url, **kwargs) as response:
         yield response

@@ -86,6 +86,10 @@ setup_venv() {
 
 setup() {
     setup_venv
+    # Byte-compile Shoal's own sources (pip does it for every installed package, not for this
+    # editable checkout): where PYTHONDONTWRITEBYTECODE is set, every `shoal` process would
+    # otherwise compile the ~270 modules again as it starts. Up-to-date files are skipped.
+    "$VENV/bin/python" -m compileall -q -j 0 src
     ensure_build_tools
     say "llama.cpp binaries"
     "$VENV/bin/shoal" llama-cpp install

@@ -14,10 +14,12 @@ import pytest
 
 from cluster import clean_env
 from fakes.fake_hub import FakeHub, RepoInfo
+from shaped_gguf import shaped_gguf
 from shoal.cli.main import main
 from shoal.models.catalog_file import load_catalog
 from shoal.models.default import DEFAULT_MODEL
 from shoal.models.pypi import model_path
+from shoal.units import MIB
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -192,3 +194,37 @@ def test_search_matches_every_word_on_the_hub_too() -> None:
         "bartowski/qwen2-7b-GGUF",
     ], found
     assert "qwen2.5-7b-instruct" in found["catalog"]  # the catalog matched every word already
+
+
+def test_show_and_pull_take_a_hugging_face_repo(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`shoal models show org/repo` lists its quantizations from the Hub; `pull org/repo:Q`
+    downloads that one, and `show` then works offline from the cache."""
+    repo = "someone/Shaped-GGUF"
+    files: dict[tuple[str, str], bytes | Path] = {
+        (repo, "Shaped-Q4_K_M.gguf"): shaped_gguf(MIB),
+        (repo, "Shaped-Q8_0.gguf"): shaped_gguf(2 * MIB),
+    }
+    cache = ("--cache-dir", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with FakeHub.start(files) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        code, out, _ = run(capsys, "models", "show", f"hf.co/{repo}", *cache, "--json")
+        assert code == 0
+        shown = json.loads(out)
+        assert [q["quantization"] for q in shown["quantizations"]] == ["Q4_K_M", "Q8_0"]
+        assert shown["fit"]["quantization"] == "Q8_0", "a few MiB fit any test machine"
+        code, out, _ = run(capsys, "models", "show", f"{repo}:Q4_K_M", *cache)
+        assert code == 0 and "* Q4_K_M" in out and f"--model {repo}:Q4_K_M" in out
+        code, out, err = run(capsys, "models", "pull", f"{repo}:q4_k_m", *cache)
+        assert code == 0 and out.startswith(f"{repo}:q4_k_m (Q4_K_M): "), err
+        code, _, err = run(capsys, "models", "pull", f"{repo}:Q2_K", *cache)
+        assert code == 2 and "has no Q2_K quantization; it has Q4_K_M, Q8_0" in err
+        assert [r.path for r in hub.requests if r.server == "cdn" and not r.range] == [
+            f"/cdn/{hub.file(repo, 'Shaped-Q4_K_M.gguf').sha256}"
+        ]
+    code, out, _ = run(capsys, "models", "show", repo, *cache, "--offline")
+    assert code == 0 and "* Q4_K_M" in out and "Q8_0" not in out
+    code, out, _ = run(capsys, "models", "ls", *cache, "--json")
+    assert [(m["id"], m["quantization"]) for m in json.loads(out)] == [(repo, "Q4_K_M")]

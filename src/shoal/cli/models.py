@@ -26,9 +26,11 @@ if TYPE_CHECKING:  # at run time each command imports what it uses: NumPy, gguf 
     # huggingface_hub are most of a second that `shoal --help` and `shoal keys` never need
     from shoal.models.fit import FitDecision
     from shoal.models.hub import HubConfig
+    from shoal.models.hub_names import HubName
     from shoal.models.resolve import FitContext
 
 Handler = Callable[[argparse.Namespace], int]
+HUB_FORMS = "Hugging Face GGUF repo (org/repo, org/repo:QUANT, org/repo:FILE.gguf)"
 
 
 class ModelsSettings(CommonSettings):
@@ -75,15 +77,19 @@ def add_commands(models_sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p = add(
         "show",
-        "Show a catalog model and the quantization that fits here.",
+        "Show a model (catalog id or Hugging Face GGUF repo) and the quantization that fits.",
         models_show,
         FitSettings,
     )
-    p.add_argument("model", help="catalog model id")
+    p.add_argument("model", help=f"catalog model id or {HUB_FORMS}")
     p.add_argument("--quantization", help="check this quantization instead of choosing")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p = add("pull", "Download and verify a model into the cache.", models_pull, FitSettings)
-    p.add_argument("model", nargs="?", help="catalog model id (default: the default model)")
+    p.add_argument(
+        "model",
+        nargs="?",
+        help=f"catalog model id, {HUB_FORMS}, or .gguf path (default: the default model)",
+    )
     p.add_argument("--quantization", help="download this quantization (default: what fits)")
     p = add("ls", "List the models in the local cache with their sizes.", models_ls, ModelsSettings)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -282,15 +288,22 @@ def models_search(args: argparse.Namespace) -> int:
         print(f"\nHugging Face GGUF repos ({len(hub)}):")
         rows = [[str(m["id"]), str(m["downloads"]), str(m["likes"])] for m in hub]
         print(_table(["REPO", "DOWNLOADS", "LIKES"], rows) if rows else "  (none)")
-        print("\nAny of these runs with: shoal worker --model-path FILE (after downloading it)")
+        print("\nAny of these runs with: shoal worker --model REPO (or REPO:QUANT)")
     return 0
 
 
 def models_show(args: argparse.Namespace) -> int:
+    from shoal.models.hub_names import parse_hub_name
     from shoal.models.resolve import decide
 
     settings = settings_for(FitSettings, args)
     logs.setup(settings.log_level)
+    try:
+        hub_name = parse_hub_name(args.model)
+    except ModelError as exc:
+        raise UserError(str(exc)) from None
+    if hub_name is not None:
+        return _show_repo(hub_name, settings, args)
     entry = _entry(args.model)
     try:
         decision = decide(
@@ -328,6 +341,53 @@ def models_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _show_repo(name: HubName, settings: FitSettings, args: argparse.Namespace) -> int:
+    """``models show org/repo[:QUANT]``: the repo's GGUF quantizations (from its listing, or
+    offline from the cache) and the one a worker would run here."""
+    from shoal.models.hub_repo import gguf_quants, repo_entry, repo_files, repo_shape, select
+    from shoal.models.resolve import decide
+
+    config = _hub_config(settings)
+    try:
+        files = repo_files(name.repo, settings.cache_dir, config)
+        quants = gguf_quants(name.repo, files)
+        chosen = select(name, files, quants, args.quantization)
+    except ModelError as exc:
+        raise UserError(str(exc)) from None
+    shape = repo_shape(name.repo, quants, settings.cache_dir, config)
+    entry = repo_entry(name.repo, quants if chosen is None else (chosen,), shape)
+    named = chosen.quantization if chosen is not None else None
+    try:
+        decision = decide(entry, settings.cache_dir, quantization=named, fit=_fit_here(settings))
+        verdict, fitted = decision.reason, decision.quant.quantization
+    except ModelError as exc:
+        verdict, fitted = str(exc), None
+    if args.json:
+        out = {**_entry_json(repo_entry(name.repo, quants, shape)), "id": name.id}
+        print(json.dumps({**out, "fit": {"quantization": fitted, "reason": verdict}}, indent=2))
+        return 0
+    print(f"{name.repo} (Hugging Face GGUF repo, {config.url}/{name.repo})")
+    if shape is not None:
+        print(
+            f"  architecture {shape.architecture}, {shape.n_layers} layers, "
+            f"context {shape.context_length}"
+        )
+    rows = [
+        [
+            ("* " if q.quantization == fitted else "  ") + q.quantization,
+            format_bytes(q.size_bytes),
+            ", ".join(q.files),
+        ]
+        for q in quants
+    ]
+    print()
+    print(_table(["QUANT", "SIZE", "FILES"], rows))
+    print(f"\nOn this machine (ctx {settings.ctx_size} x {settings.slots} slots): {verdict}")
+    if fitted is not None:
+        print(f"Run it: shoal worker --model {name.id if name.file else f'{name.repo}:{fitted}'}")
+    return 0
+
+
 def models_pull(args: argparse.Namespace) -> int:
     from shoal.models.resolve import resolve_model
 
@@ -339,7 +399,7 @@ def models_pull(args: argparse.Namespace) -> int:
             model,
             settings.cache_dir,
             quantization=args.quantization,
-            fit=None if model.lower().endswith(".gguf") else _fit_here(settings),
+            fit=None if Path(model).expanduser().is_file() else _fit_here(settings),
             hub=_hub_config(settings),
         )
     except ModelError as exc:

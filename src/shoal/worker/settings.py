@@ -126,9 +126,10 @@ class WorkerSettings(LlamaCppOptions):
     name: str = Field(default_factory=socket.gethostname, description="Name shown for this worker.")
     model: str | None = Field(
         None,
-        description="Model to serve: a catalog id (`shoal models list`), a path to a .gguf "
-        "file, or a model-store id with --model-store. Default: the router's default model "
-        "(with --redis-url: Shoal's default model).",
+        description="Model to serve: a catalog id (`shoal models list`), a Hugging Face GGUF "
+        "repo (org/repo, org/repo:Q4_K_M or org/repo:FILE.gguf, hf.co/ optional), a path to a "
+        ".gguf file, or a model-store id with --model-store. Default: the router's default "
+        "model (with --redis-url: Shoal's default model).",
     )
     model_path: Path | None = Field(
         None,
@@ -137,7 +138,8 @@ class WorkerSettings(LlamaCppOptions):
     )
     quantization: str | None = Field(
         None,
-        description="Quantization to download for a catalog model (e.g. Q4_K_M). Default: the "
+        description="Quantization to download for a catalog model or Hugging Face repo (e.g. "
+        "Q4_K_M). Default: the "
         "best one that fits this machine's free memory.",
     )
     offline: bool = Field(

@@ -58,3 +58,36 @@ def test_worker_downloads_resumes_picks_a_quantization_and_serves(
             model=MODEL_ID, max_tokens=4, messages=[{"role": "user", "content": "hi"}]
         )
     assert reply.model == MODEL_ID and reply.choices[0].message.content
+
+
+def test_worker_serves_a_hugging_face_repo_by_name_and_quantization(
+    cluster: Cluster, model_path: Path
+) -> None:
+    """``--model org/repo:Q4_1``: a repo outside the catalog (the default model's real GGUF
+    under another name, beside a second quantization that must not be fetched) is listed,
+    its Q4_1 downloaded into the repo's own cache folder, and served under that name."""
+    repo = "someorg/SmolLM2-135M-Instruct-GGUF"
+    q4 = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    files = {(repo, q4): model_path, (repo, "SmolLM2-135M-Instruct.Q8_0.gguf"): model_path}
+    name = f"{repo}:q4_1"
+    with FakeHub.start(files) as hub:
+        router = cluster.router()
+        cluster.worker(
+            router,
+            *("--model", name, "--llama-server-path", str(cluster.llama_server)),
+            model=False,
+            env={"HF_ENDPOINT": hub.url},
+        )
+        router.wait_workers(1, timeout=120)
+        listed = [r for r in hub.requests if r.path == f"/api/models/{repo}/tree/main"]
+        whole = [r for r in hub.requests if r.server == "cdn" and r.method == "GET"]
+    assert listed, "the repo's files were listed"
+    assert [r.query for r in whole] == [hub.downloads(repo, q4)[0].query], "only Q4_1"
+    cached = local_path(cluster.base / "cache", repo, q4)
+    assert cached.read_bytes() == model_path.read_bytes()
+    with openai.OpenAI(base_url=router.url + "/v1", api_key=API_KEY, max_retries=0) as client:
+        assert [m.id for m in client.models.list()] == [name]
+        reply = client.chat.completions.create(
+            model=name, max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert reply.model == name and reply.choices[0].message.content

@@ -30,7 +30,15 @@ class KeyLimits:
         for name in ("requests_per_min", "tokens_per_min", "max_streams"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"{name} must be at least 1 (or unset for no limit)")
+                raise ValueError(
+                    f"{name} must be at least 1 (or unset for no limit), not {value}; "
+                    "disable the key instead of setting a zero limit."
+                )
+
+    @property
+    def limits_calls(self) -> bool:
+        """A limit on requests or tokens (not only on concurrent streams)."""
+        return self.requests_per_min is not None or self.tokens_per_min is not None
 
     def describe(self) -> str:
         """``60rpm,100000tpm,4 streams`` (``1 stream``), or ``-`` when unlimited."""

@@ -214,13 +214,7 @@ def _a(scope: Scope) -> str:
 
 
 def _principal(record: KeyRecord) -> Principal:
-    limits = record.limits
-    return Principal(
-        record.id,
-        record.name or record.prefix,
-        RateLimits(limits.requests_per_min, limits.tokens_per_min, limits.max_streams),
-        record.queueing,
-    )
+    return Principal(record.id, record.name or record.prefix, record.limits, record.queueing)
 
 
 READER_SCOPES = (Scope.INFERENCE, Scope.ADMIN, Scope.WORKER)

@@ -36,6 +36,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from shoal.keys.records import KeyLimits
+
 log = logging.getLogger(__name__)
 
 WINDOW_S = 60.0  # the rule's length: "per minute"
@@ -43,26 +45,8 @@ STREAM_RETRY_AFTER_S = 1.0  # a stream's end cannot be predicted; suggest pollin
 _EPS = 1e-9  # absorbs float noise when turning a real budget into whole tokens
 
 
-@dataclass(frozen=True, slots=True)
-class RateLimits:
-    """A key's limits; ``None`` means unlimited."""
-
-    requests_per_min: int | None = None
-    tokens_per_min: int | None = None
-    max_streams: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("requests_per_min", "tokens_per_min", "max_streams"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(
-                    f"{name} must be at least 1 or None (unlimited), not {value}; "
-                    "disable the key instead of setting a zero limit."
-                )
-
-    @property
-    def limits_calls(self) -> bool:
-        return self.requests_per_min is not None or self.tokens_per_min is not None
+RateLimits = KeyLimits
+"""A key's limits (``None``: unlimited), as the key store keeps them."""
 
 
 class RateLimited(Exception):

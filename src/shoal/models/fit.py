@@ -32,11 +32,13 @@ from shoal.models.budget import MemoryBudget
 from shoal.models.catalog import QUANT_PREFERENCE, CatalogEntry, QuantFile
 from shoal.models.errors import ModelError
 from shoal.models.gguf_info import (
-    COMPUTE_FLOOR_BYTES,
+    COMPUTE_MARGIN,
     KV_CTX_PAD,
     GGUFInfo,
     MemoryEstimate,
+    kv_cells,
     memory_estimate,
+    with_compute,
 )
 from shoal.units import format_bytes
 
@@ -45,8 +47,6 @@ Need = MemoryEstimate
 
 Source = Literal["gguf", "catalog"]
 
-COMPUTE_MARGIN = 0.10
-"""Compute buffers as a fraction of weights + KV (plus a 64 MiB floor); as in gguf_info."""
 KV_F16_BYTES = 2.0
 """Bytes per KV cache element for llama.cpp's default cache type, f16."""
 
@@ -68,8 +68,8 @@ def estimate_from_catalog(
     """
     _check_ctx(ctx_total)
     elements_per_token = entry.n_layers * 2 * entry.n_kv_heads * entry.head_dim
-    kv = math.ceil(elements_per_token * cache_type_bytes * _cells(ctx_total))
-    return _need(quant.size_bytes, kv, compute_margin)
+    kv = math.ceil(elements_per_token * cache_type_bytes * kv_cells(ctx_total))
+    return with_compute(quant.size_bytes, kv, compute_margin)
 
 
 def estimate_from_gguf(
@@ -99,7 +99,7 @@ def max_fitting_ctx(need: Need, ctx_total: int, budget_bytes: int) -> int | None
     (with :data:`COMPUTE_MARGIN`).
     """
     _check_ctx(ctx_total)
-    cells = _cells(ctx_total) // KV_CTX_PAD
+    cells = kv_cells(ctx_total) // KV_CTX_PAD
     low, high = 0, cells
     while low < high:
         mid = (low + high + 1) // 2
@@ -115,24 +115,9 @@ def _check_ctx(ctx_total: int) -> None:
         raise ValueError(f"ctx_total must be positive, got {ctx_total}")
 
 
-def _cells(ctx: int) -> int:
-    return math.ceil(ctx / KV_CTX_PAD) * KV_CTX_PAD
-
-
-def _need(weights: int, kv: int, compute_margin: float = COMPUTE_MARGIN) -> Need:
-    # The same arithmetic as gguf_info.memory_estimate, so both estimates agree to the byte.
-    compute = math.ceil(compute_margin * (weights + kv)) + COMPUTE_FLOOR_BYTES
-    return Need(
-        weights_bytes=weights,
-        kv_bytes=kv,
-        compute_bytes=compute,
-        total_bytes=weights + kv + compute,
-    )
-
-
 def _scaled(need: Need, cells: int, new_cells: int) -> Need:
     """``need`` (for ``cells`` groups of 256 cells) with its KV cache for ``new_cells``."""
-    return _need(need.weights_bytes, -(-need.kv_bytes * new_cells // cells))
+    return with_compute(need.weights_bytes, -(-need.kv_bytes * new_cells // cells))
 
 
 # The decision

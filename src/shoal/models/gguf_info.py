@@ -34,6 +34,8 @@ KV_CTX_PAD = 256
 """llama.cpp rounds the KV cache size up to a multiple of this many cells."""
 COMPUTE_FLOOR_BYTES = 64 * MIB
 """Fixed part of the compute-buffer estimate (see :func:`memory_estimate`)."""
+COMPUTE_MARGIN = 0.10
+"""Compute buffers as a fraction of weights + KV (plus the floor above)."""
 
 _LAYER_PREFIX = re.compile(r"^blk\.(\d+)\.")
 _HEAD_PREFIX = "token_embd"
@@ -128,6 +130,24 @@ class MemoryEstimate:
     kv_bytes: int
     compute_bytes: int
     total_bytes: int
+
+
+def kv_cells(ctx: int) -> int:
+    """The KV cells llama-server allocates for ``-c ctx`` (it pads to a multiple of 256)."""
+    return math.ceil(ctx / KV_CTX_PAD) * KV_CTX_PAD
+
+
+def with_compute(weights: int, kv: int, compute_margin: float = COMPUTE_MARGIN) -> MemoryEstimate:
+    """What ``weights`` and a KV cache of ``kv`` bytes need, with compute buffers: the
+    conservative rule of thumb ``compute_margin`` × (weights + KV) plus a 64 MiB floor
+    (``memory_estimate`` says why)."""
+    compute = math.ceil(compute_margin * (weights + kv)) + COMPUTE_FLOOR_BYTES
+    return MemoryEstimate(
+        weights_bytes=weights,
+        kv_bytes=kv,
+        compute_bytes=compute,
+        total_bytes=weights + kv + compute,
+    )
 
 
 class _Reader(GGUFReader):
@@ -239,7 +259,7 @@ def memory_estimate(
     *,
     with_head: bool,
     with_tail: bool,
-    compute_margin: float = 0.10,
+    compute_margin: float = COMPUTE_MARGIN,
     cache_type_bytes: float = 2.0,
 ) -> MemoryEstimate:
     """Estimate what one device needs to hold ``layers`` (plus head/tail) at context ``ctx``.
@@ -265,15 +285,8 @@ def memory_estimate(
         weights += info.tail_bytes
     if with_head and with_tail and info.tied_embeddings:
         weights -= sum(t.nbytes for t in info.tensors if t.name == _EMBEDDINGS)
-    cells = math.ceil(ctx / KV_CTX_PAD) * KV_CTX_PAD
-    kv = math.ceil(_kv_elements_per_token(info, layers) * cache_type_bytes * cells)
-    compute = math.ceil(compute_margin * (weights + kv)) + COMPUTE_FLOOR_BYTES
-    return MemoryEstimate(
-        weights_bytes=weights,
-        kv_bytes=kv,
-        compute_bytes=compute,
-        total_bytes=weights + kv + compute,
-    )
+    kv = math.ceil(_kv_elements_per_token(info, layers) * cache_type_bytes * kv_cells(ctx))
+    return with_compute(weights, kv, compute_margin)
 
 
 def to_json(info: GGUFInfo) -> dict[str, object]:

@@ -7,15 +7,11 @@ bytes from it; ``plan_for`` turns it into a plan over nodes at a context size.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shoal.models.gguf_info import KV_CTX_PAD, GGUFInfo, kv_bytes_per_token
+from shoal.models.gguf_info import GGUFInfo, kv_bytes_per_token, kv_cells, with_compute
 from shoal.router.deployments.placement import ModelProfile, Node, NoFit, Plan, Strategy, plan
-
-COMPUTE_MARGIN = 0.10
-COMPUTE_FLOOR_BYTES = 64 * 1024 * 1024
 
 
 def profile_of(info: GGUFInfo, ctx: int) -> ModelProfile:
@@ -29,13 +25,8 @@ def profile_of(info: GGUFInfo, ctx: int) -> ModelProfile:
         kv_bytes_per_token=tuple(kv_bytes_per_token(info, range(i, i + 1)) for i in layers),
         head_bytes=info.head_bytes,
         tail_bytes=info.tail_bytes,
-        compute_bytes=math.ceil(COMPUTE_MARGIN * (weights + kv_total)) + COMPUTE_FLOOR_BYTES,
+        compute_bytes=with_compute(weights, kv_total).compute_bytes,
     )
-
-
-def kv_cells(ctx: int) -> int:
-    """The KV cells llama-server allocates for ``-c ctx`` (it pads to a multiple of 256)."""
-    return math.ceil(ctx / KV_CTX_PAD) * KV_CTX_PAD
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from shoal.protocol.messages import Endpoint
+from shoal.router.admission.token_limit import check_token_count
 from shoal.router.errors import BadRequest
 
 TOKEN_FIELD = {
@@ -45,14 +46,7 @@ def check_agent_body(endpoint: Endpoint, body: dict[str, Any], limit: int | None
     value = body.get(field)
     if value is None:
         return body if limit is None else {**body, field: limit}
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise BadRequest(f"'{field}' must be a positive integer.", param=field)
-    if limit is not None and value > limit:
-        raise BadRequest(
-            f"'{field}' is {value}, more than this router allows ({limit}, its "
-            f"--max-tokens-limit). Ask for at most {limit} tokens.",
-            param=field,
-        )
+    check_token_count(field, value, limit)
     return body
 
 

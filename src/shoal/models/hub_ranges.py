@@ -26,8 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-import httpx2
-from huggingface_hub import get_session, hf_raise_for_status
 from huggingface_hub.utils._headers import build_hf_headers
 
 from shoal.models import hub_cache
@@ -37,13 +35,12 @@ from shoal.models.gguf_header import HEADER_CHUNK, MAX_HEADER, data_offset
 from shoal.models.gguf_info import inspect
 from shoal.models.hub import DOWNLOAD_ATTEMPTS, HubConfig, locate
 from shoal.models.hub_errors import HUB_FAILURES, hub_error
-from shoal.models.hub_transfer import MAX_RETRY_DELAY_S, RETRY_DELAY_S, RETRY_STATUS
+from shoal.models.hub_transfer import RETRYABLE, back_off, stream
 from shoal.models.stage_tensors import stage_tensors
 from shoal.progress import BYTES_UNIT, Progress
 
 logger = logging.getLogger(__name__)
 
-TIMEOUT = httpx2.Timeout(60.0, connect=15.0)
 _READ = 1 << 20
 _Sink = Callable[[bytes], None]
 
@@ -144,10 +141,6 @@ def _headers(config: HubConfig) -> dict[str, str]:
     return headers
 
 
-class _Retry(Exception):
-    """The server answered with a status worth retrying (busy, rate-limited, 5xx)."""
-
-
 class _Ranges:
     """Byte ranges of one remote file, each request retried from where it broke off."""
 
@@ -189,16 +182,15 @@ class _Ranges:
         while at < end:
             try:
                 at = self._get(at, end, sink)
-            except (httpx2.TransportError, _Retry) as exc:
+            except RETRYABLE as exc:
                 failures += 1
                 if failures >= DOWNLOAD_ATTEMPTS:
                     raise HubError(
                         f"fetching bytes {at}-{end} of {self.where} failed {failures} "
                         f"time(s), last: {exc or type(exc).__name__}"
                     ) from exc
-                delay = min(RETRY_DELAY_S * 2 ** (failures - 1), MAX_RETRY_DELAY_S)
                 logger.warning("%s: a range request broke off (%s)", self.where, exc)
-                time.sleep(delay)  # back-off between retries, not polling
+                time.sleep(back_off(failures))  # back-off between retries, not polling
             except HUB_FAILURES as exc:
                 f = self.file
                 raise hub_error(exc, self.config, f.repo, f.filename, f.revision) from exc
@@ -206,12 +198,7 @@ class _Ranges:
     def _get(self, start: int, end: int, sink: _Sink) -> int:
         """Bytes ``start..end`` into ``sink``, as far as they come; where they stopped."""
         headers = {**self.headers, "Range": f"bytes={start}-{end - 1}"}
-        with get_session().stream(
-            "GET", self.url, headers=headers, timeout=TIMEOUT, follow_redirects=True
-        ) as response:
-            if response.status_code in RETRY_STATUS:
-                raise _Retry(f"HTTP {response.status_code}")
-            hf_raise_for_status(response)
+        with stream(self.url, headers) as response:
             given = response.headers.get("Content-Range", "")
             if response.status_code != 206 or not given.startswith(f"bytes {start}-"):
                 raise HubError(

@@ -12,7 +12,8 @@ import hashlib
 import logging
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,8 +101,32 @@ def _resume(partial: Path, size: int | None, progress: Progress) -> _Digest:
     return digest
 
 
-class _Retry(Exception):
+class Retryable(Exception):
     """The server answered with a status worth retrying (busy, rate-limited, 5xx)."""
+
+
+RETRYABLE = (httpx2.TransportError, Retryable)
+"""What a request may fail with that the next attempt may not: a dropped or refused
+connection, a timeout, a status worth retrying."""
+
+
+def back_off(failures: int) -> float:
+    """Seconds to wait before the next attempt, after ``failures`` that received nothing."""
+    return min(RETRY_DELAY_S * 2.0 ** (failures - 1), MAX_RETRY_DELAY_S)
+
+
+@contextmanager
+def stream(url: str, headers: Mapping[str, str]) -> Iterator[httpx2.Response]:
+    """``GET url`` through huggingface_hub's session (its redirects followed), its body not
+    read yet. A status worth retrying raises ``Retryable``, any other error status the Hub's
+    own error (``hf_raise_for_status``)."""
+    with get_session().stream(
+        "GET", url, headers=headers, timeout=TRANSFER_TIMEOUT, follow_redirects=True
+    ) as response:
+        if response.status_code in RETRY_STATUS:
+            raise Retryable(f"HTTP {response.status_code}")
+        hf_raise_for_status(response)
+        yield response
 
 
 def _retrying(transfer: Transfer, digest: _Digest, progress: Progress, attempts: int) -> None:
@@ -111,7 +136,7 @@ def _retrying(transfer: Transfer, digest: _Digest, progress: Progress, attempts:
         try:
             _get(transfer, digest, progress)
             return
-        except (httpx2.TransportError, _Retry) as exc:
+        except RETRYABLE as exc:
             failures += 1
             have = _size(transfer.partial)
             if failures >= max(1, attempts):
@@ -121,7 +146,7 @@ def _retrying(transfer: Transfer, digest: _Digest, progress: Progress, attempts:
                     f"are kept in {transfer.partial}; run the same command again to resume."
                 ) from exc
             moved = have > before
-            delay = 0.0 if moved else min(RETRY_DELAY_S * 2 ** (failures - 1), MAX_RETRY_DELAY_S)
+            delay = 0.0 if moved else back_off(failures)
             logger.warning(
                 "download of %s broke off (%s); retrying in %.0f s", transfer.label, exc, delay
             )
@@ -135,12 +160,7 @@ def _get(transfer: Transfer, digest: _Digest, progress: Progress) -> None:
     headers = dict(transfer.headers)
     if have:
         headers["Range"] = f"bytes={have}-"
-    with get_session().stream(
-        "GET", transfer.url, headers=headers, timeout=TRANSFER_TIMEOUT, follow_redirects=True
-    ) as response:
-        if response.status_code in RETRY_STATUS:
-            raise _Retry(f"HTTP {response.status_code}")
-        hf_raise_for_status(response)
+    with stream(transfer.url, headers) as response:
         mode = "ab"
         if have and response.status_code != 206:  # the server ignored Range: start over
             mode = "wb"

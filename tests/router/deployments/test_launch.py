@@ -48,7 +48,8 @@ def plan_of(counts: list[int]) -> Plan:
     shards, first = [], 0
     for i, n in enumerate(counts):
         role = "head" if i == 0 else ("tail" if i == len(counts) - 1 else "stage")
-        shards.append(Shard(f"w{i}", role, first, first + n - 1, 0, 0, 0, 0, 0, 0))  # type: ignore[arg-type]
+        held = (first, first + n - 1, 0, 0, 0, 0, 0, 0)
+        shards.append(Shard(*held, node_id=f"w{i}", role=role))  # type: ignore[arg-type]
         first += n
     return Plan(tuple(shards), ctx=1024, strategy=Strategy.BALANCED)
 
@@ -76,9 +77,10 @@ def plan_with(shards: list[list[tuple[str, int]]]) -> Plan:
         role = "head" if i == 0 else ("tail" if i == len(shards) - 1 else "stage")
         shares, start = [], first
         for device, n in devices:
-            shares.append(DeviceShare(device, first, first + n - 1, 0, 0, 0, 0, 0, 0))
+            shares.append(DeviceShare(first, first + n - 1, 0, 0, 0, 0, 0, 0, device=device))
             first += n
-        out.append(Shard(f"w{i}", role, start, first - 1, 0, 0, 0, 0, 0, 0, tuple(shares)))  # type: ignore[arg-type]
+        held = (start, first - 1, 0, 0, 0, 0, 0, 0)
+        out.append(Shard(*held, node_id=f"w{i}", role=role, devices=tuple(shares)))  # type: ignore[arg-type]
     return Plan(tuple(out), ctx=1024, strategy=Strategy.BALANCED)
 
 

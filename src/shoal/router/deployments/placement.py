@@ -42,7 +42,7 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 from shoal.router.deployments import placement_search as search
@@ -137,15 +137,16 @@ class Strategy(enum.StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class DeviceShare:
-    """What one device of a shard holds: layers ``first_layer..last_layer`` (both inclusive;
-    none when ``last_layer < first_layer``: the head's RAM holding only the token embedding).
+class Held:
+    """Layers ``first_layer..last_layer`` (both inclusive; none when ``last_layer <
+    first_layer``) and what they take of the memory that holds them.
 
-    The byte counts are as in :class:`Shard`, for this device alone.
+    ``weight_bytes`` counts the layers' weights plus what else of the model lies there (the
+    head's or tail's tensors); ``total_bytes`` is ``weight_bytes + kv_bytes + compute_bytes``
+    and ``margin_bytes`` is ``free_bytes - total_bytes``, where ``free_bytes`` is what that
+    memory offers.
     """
 
-    device: str
-    """``CPU`` (the node's RAM) or a GPU's name (``CUDA0``)."""
     first_layer: int
     last_layer: int
     weight_bytes: int
@@ -160,35 +161,29 @@ class DeviceShare:
         return max(0, self.last_layer - self.first_layer + 1)
 
 
-@dataclass(frozen=True, slots=True)
-class Shard:
-    """One node's part of a plan: layers ``first_layer..last_layer``, both inclusive.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceShare(Held):
+    """What one device of a shard holds, on that device alone (no layers: the head's RAM
+    holding only the token embedding)."""
+
+    device: str
+    """``CPU`` (the node's RAM) or a GPU's name (``CUDA0``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shard(Held):
+    """One node's part of a plan, on the devices in ``devices`` together.
 
     ``role`` is ``"head"`` for the first shard, ``"tail"`` for the last and ``"stage"`` in
     between. A plan with a single shard has only a ``"head"``, which then holds everything,
     the tail bytes included. ``weight_bytes`` counts the layers' weights plus
-    ``head_bytes`` on the head and ``tail_bytes`` on the last shard; ``total_bytes`` is
-    ``weight_bytes + kv_bytes + compute_bytes`` and ``margin_bytes`` is
-    ``free_bytes - total_bytes``, where ``free_bytes`` is what the devices in ``devices``
-    offer together. ``devices`` says which device holds which of these layers, in order.
+    ``head_bytes`` on the head and ``tail_bytes`` on the last shard.
     """
 
     node_id: str
     role: Role
-    first_layer: int
-    last_layer: int
-    weight_bytes: int
-    kv_bytes: int
-    compute_bytes: int
-    total_bytes: int
-    free_bytes: int
-    margin_bytes: int
     devices: tuple[DeviceShare, ...] = ()
     """The devices that hold something, in llama.cpp's order (empty: all on its CPU)."""
-
-    @property
-    def n_layers(self) -> int:
-        return self.last_layer - self.first_layer + 1
 
     @property
     def holders(self) -> tuple[DeviceShare, ...]:
@@ -199,17 +194,8 @@ class Shard:
 
 
 def _all_on_cpu(s: Shard) -> DeviceShare:
-    return DeviceShare(
-        CPU,
-        s.first_layer,
-        s.last_layer,
-        s.weight_bytes,
-        s.kv_bytes,
-        s.compute_bytes,
-        s.total_bytes,
-        s.free_bytes,
-        s.margin_bytes,
-    )
+    held = {f.name: getattr(s, f.name) for f in fields(Held)}
+    return DeviceShare(device=CPU, **held)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ from typing import Any
 from shoal.protocol.ids import WorkerId
 from shoal.router.deployments.deployment import Deployment, ShardView, TunnelBytes
 from shoal.router.deployments.launch import head_launch, holders, placed_layers
-from shoal.router.deployments.placement import DeviceShare, Plan
+from shoal.router.deployments.placement import DeviceShare, Held, Plan
 from shoal.router.dispatch.workers import Registry
 
 
@@ -53,19 +53,23 @@ def _bytes(t: TunnelBytes) -> dict[str, int]:
     return {"to_stages": t.to_stages, "to_head": t.to_head}
 
 
-def device_json(d: DeviceShare) -> dict[str, Any]:
-    """One device of a planned shard: its layers (None: the token embedding only), bytes."""
+def held_json(h: Held) -> dict[str, Any]:
+    """What a planned shard or device holds: its layers (None: the token embedding only), bytes."""
     return {
-        "device": d.device,
-        "layers": [d.first_layer, d.last_layer] if d.n_layers else None,
-        "n_layers": d.n_layers,
-        "weight_bytes": d.weight_bytes,
-        "kv_bytes": d.kv_bytes,
-        "compute_bytes": d.compute_bytes,
-        "total_bytes": d.total_bytes,
-        "free_bytes": d.free_bytes,
-        "margin_bytes": d.margin_bytes,
+        "layers": [h.first_layer, h.last_layer] if h.n_layers else None,
+        "n_layers": h.n_layers,
+        "weight_bytes": h.weight_bytes,
+        "kv_bytes": h.kv_bytes,
+        "compute_bytes": h.compute_bytes,
+        "total_bytes": h.total_bytes,
+        "free_bytes": h.free_bytes,
+        "margin_bytes": h.margin_bytes,
     }
+
+
+def device_json(d: DeviceShare) -> dict[str, Any]:
+    """One device of a planned shard: its name and what it holds."""
+    return {"device": d.device, **held_json(d)}
 
 
 def _shard_view(

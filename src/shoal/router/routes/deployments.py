@@ -29,7 +29,7 @@ from shoal.router.deployments.launch import head_launch, stage_devices, too_many
 from shoal.router.deployments.nodes import planning_nodes
 from shoal.router.deployments.placement import NoFit, Shard, Strategy
 from shoal.router.deployments.profile import plan_for
-from shoal.router.deployments.views import device_json
+from shoal.router.deployments.views import device_json, held_json
 from shoal.router.dispatch.worker_names import UnknownWorkers, resolve_workers
 from shoal.router.errors import BadRequest, Conflict, ModelNotFound, NotFound
 from shoal.router.routes.common import json_response
@@ -242,14 +242,7 @@ def _shard_json(
         "worker": shard.node_id,
         "worker_name": names.get(WorkerId(shard.node_id)),
         "role": shard.role,
-        "layers": [shard.first_layer, shard.last_layer],
-        "n_layers": shard.n_layers,
-        "weight_bytes": shard.weight_bytes,
-        "kv_bytes": shard.kv_bytes,
-        "compute_bytes": shard.compute_bytes,
-        "total_bytes": shard.total_bytes,
-        "free_bytes": shard.free_bytes,
-        "margin_bytes": shard.margin_bytes,
+        **held_json(shard),
         "devices": [device_json(d) for d in shard.devices],
         "preseed_bytes": seeded,
     }

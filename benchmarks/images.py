@@ -42,7 +42,7 @@ from common import (
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 from shoal.protocol.images import ImageJob  # noqa: E402
-from shoal.worker.image_diffusers import DiffusersEngine  # noqa: E402
+from shoal.worker.images.diffusers_engine import DiffusersEngine  # noqa: E402
 
 
 @dataclass

@@ -6,9 +6,9 @@ One router; two workers, each with its own real llama-server (the default model,
 
 * ``own``: the worker starts llama-server itself (what ``shoal worker`` and ``shoal up`` do),
   so every job goes through the per-job features users get: its slot chosen from its content
-  (``worker/slots.py``) and token ids in the stream (``n_probs`` asked for and stripped
-  again, ``worker/continuation.py``). The direct path posts to that same llama-server (its
-  address as the router lists it).
+  (``worker/text/slots.py``) and token ids in the stream (``n_probs`` asked for and stripped
+  again, ``worker/text/resume/continuation.py``). The direct path posts to that same
+  llama-server (its address as the router lists it).
 * ``attached``: the benchmark starts llama-server and a second worker attaches to it with
   ``--backend-url``, which skips both features: what is left is Shoal's relay alone.
 

@@ -39,9 +39,9 @@ from shoal.models.default import DEFAULT_MODEL  # noqa: E402
 from shoal.models.resolve import resolve_model  # noqa: E402
 from shoal.protocol.ids import JobId, ModelName  # noqa: E402
 from shoal.protocol.messages import Continuation, Endpoint, JobStart  # noqa: E402
-from shoal.worker import backend as backend_module  # noqa: E402
-from shoal.worker.backend import Backend, BackendTarget  # noqa: E402
-from shoal.worker.sink import JobOutcome  # noqa: E402
+from shoal.worker.jobs.sink import JobOutcome  # noqa: E402
+from shoal.worker.text import backend as backend_module  # noqa: E402
+from shoal.worker.text.backend import Backend, BackendTarget  # noqa: E402
 
 MODEL = "bench"
 PROMPTS: list[tuple[str, Endpoint, Any]] = [

@@ -27,7 +27,7 @@ from shoal.models.default import DEFAULT_MODEL  # noqa: E402
 from shoal.models.resolve import resolve_model  # noqa: E402
 from shoal.protocol.messages import Endpoint  # noqa: E402
 from shoal.settings import CommonSettings  # noqa: E402
-from shoal.worker.continuation import TokenTrail, with_token_ids  # noqa: E402
+from shoal.worker.text.resume.continuation import TokenTrail, with_token_ids  # noqa: E402
 
 BODY = {
     "model": "bench",

@@ -12,15 +12,15 @@ from shoal.protocol.ids import WorkerId
 from shoal.protocol.messages import PROTOCOL_VERSION, BackendState, Hardware, Register
 from shoal.worker.backoff import Backoff
 from shoal.worker.hardware import MemoryProbe, detect_profile
-from shoal.worker.link import (
+from shoal.worker.jobs.runner import JobRunner
+from shoal.worker.link.outbox import Outbox
+from shoal.worker.link.router_link import (
     NO_LLAMA_CPP,
     NoShards,
     RouterLink,
     Routers,
     client_tls_context,
 )
-from shoal.worker.outbox import Outbox
-from shoal.worker.runner import JobRunner
 
 
 def registration(worker_id: str = "link-test") -> Register:

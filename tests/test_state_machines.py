@@ -31,7 +31,11 @@ from shoal.router.dispatch import job
 from shoal.router.dispatch.job import Job, JobState
 from shoal.router.dispatch.workers import ALLOWED as CONNECTION
 from shoal.router.dispatch.workers import ConnState
-from shoal.worker import attached, image_service, link, llama_server, redis_pull, shards
+from shoal.worker.images import service as image_service
+from shoal.worker.link import redis_pull
+from shoal.worker.link import router_link as link
+from shoal.worker.shards import host as shards
+from shoal.worker.text import attached, llama_server
 
 
 class Light(enum.StrEnum):

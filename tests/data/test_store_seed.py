@@ -13,9 +13,9 @@ from pathlib import Path
 from stores import StartStore, link_or_copy
 
 from shoal.llama_cpp.rpc_cache import RpcCache
-from shoal.worker.plan import layer_slice
-from shoal.worker.rpc_seed import SeedOrder, seed
 from shoal.worker.settings import WorkerSettings
+from shoal.worker.shards.rpc_seed import SeedOrder, seed
+from shoal.worker.text.plan import layer_slice
 
 
 def _entries(cache: RpcCache) -> dict[str, bytes]:

@@ -96,7 +96,7 @@ def test_assembled_answer_matches_llama_servers_own(
     import orjson
 
     from shoal.protocol.messages import Endpoint
-    from shoal.worker.aggregate import aggregate
+    from shoal.worker.text.aggregate import aggregate
 
     body = {**body, "max_tokens": 12, "temperature": 0}
     direct = http_calls.post(external_llama + path, json=body, timeout=60).json()

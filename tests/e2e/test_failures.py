@@ -13,7 +13,7 @@ import pytest
 
 import http_calls
 from cluster import API_KEY, MODEL, STARTUP_TIMEOUT_S, Cluster, free_port, wait_until
-from shoal.worker.link import NEVER_REACHED_WARN_AFTER
+from shoal.worker.link.router_link import NEVER_REACHED_WARN_AFTER
 
 pytestmark = pytest.mark.e2e
 

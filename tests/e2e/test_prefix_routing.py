@@ -18,7 +18,7 @@ import pytest
 
 import http_calls
 from cluster import MODEL, Cluster, Router, wait_until
-from shoal.worker.redis_pull import consumer_name
+from shoal.worker.link.redis_pull import consumer_name
 
 pytestmark = pytest.mark.e2e
 

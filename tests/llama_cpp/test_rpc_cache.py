@@ -34,7 +34,7 @@ from shoal.llama_cpp.rpc_cache import (
 )
 from shoal.models.gguf_info import inspect
 from shoal.models.stage_tensors import stage_tensors
-from shoal.worker.rpc_seed import SeedOrder, seed
+from shoal.worker.shards.rpc_seed import SeedOrder, seed
 
 LOAD_TIMEOUT_S = 120.0
 

@@ -23,7 +23,7 @@ from shoal.protocol.messages import Endpoint
 from shoal.redis_queue.keys import RedisKeys
 from shoal.redis_queue.streams import RedisJobQueue
 from shoal.redis_queue.support import QueuedJob
-from shoal.worker.redis_pull import consumer_name
+from shoal.worker.link.redis_pull import consumer_name
 
 CHAT = (ModelName("tiny"), Endpoint.CHAT)
 HOLD_MS = 600

@@ -15,9 +15,13 @@ import pytest
 from shoal.lifecycle import IllegalTransition, Lifecycle, Transitions
 from shoal.protocol.messages import BackendState
 from shoal.protocol.shards import ShardState
-from shoal.worker import attached, image_service, link, llama_server, redis_pull, shards
-from shoal.worker.link import LinkState
-from shoal.worker.redis_pull import PullState
+from shoal.worker.images import service as image_service
+from shoal.worker.link import redis_pull
+from shoal.worker.link import router_link as link
+from shoal.worker.link.redis_pull import PullState
+from shoal.worker.link.router_link import LinkState
+from shoal.worker.shards import host as shards
+from shoal.worker.text import attached, llama_server
 
 B, L, P, S = BackendState, LinkState, PullState, ShardState
 

@@ -16,11 +16,11 @@ from link_rig import router_link
 from shoal.protocol.ids import JobId
 from shoal.protocol.messages import JobDone, decode_worker_message
 from shoal.protocol.shards import ShardRole, ShardStart, ShardState, ShardStatus
-from shoal.worker.backend import sse_data
-from shoal.worker.backend_errors import context_needed, error_from_body
 from shoal.worker.backoff import Backoff
-from shoal.worker.outbox import Outbox, frames
+from shoal.worker.link.outbox import Outbox, frames
 from shoal.worker.settings import WorkerSettings, router_ws_url
+from shoal.worker.text.backend import sse_data
+from shoal.worker.text.backend_errors import context_needed, error_from_body
 
 
 @given(st.integers(0, 50), st.floats(0, 1))

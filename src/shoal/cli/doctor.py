@@ -47,7 +47,7 @@ from shoal.models.errors import ModelError
 from shoal.models.resolve import FitContext, decide
 from shoal.protocol.messages import PROTOCOL_VERSION, RefusalCode
 from shoal.worker.hardware import HardwareError, selected
-from shoal.worker.link import Refusal, client_tls_context
+from shoal.worker.link.router_link import Refusal, client_tls_context
 from shoal.worker.settings import WorkerSettings
 
 ROUTER_TIMEOUT_S = 5.0

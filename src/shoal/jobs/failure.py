@@ -1,6 +1,6 @@
 """What becomes of a job whose run failed: run it again, go on from its tokens, wait for a
 worker with more context, or fail. Pure: the one rule for a router's workers
-(``router/dispatch/running.py``) and a pull-mode worker (``worker/redis_pull.py``), so the
+(``router/dispatch/running.py``) and a pull-mode worker (``worker/link/redis_pull.py``), so the
 same fault gives the same outcome whichever holds the job.
 
 The rule, in the order it is applied:

@@ -6,7 +6,7 @@ content: the canonical serialization of its ``messages`` (or ``prompt``), cut in
 it. A chat template renders messages in order, so two requests whose canonical text shares
 its first ``n`` blocks share the templated prompt's leading tokens up to about there. The
 worker runs this same function on every request it serves and reports the hashes its slots
-hold (``worker/slots.py``); the router counts how many leading hashes of a new request a
+hold (``worker/text/slots.py``); the router counts how many leading hashes of a new request a
 worker holds (``held_blocks``). One function on both sides means no tokenizer, no template
 and nothing model-specific in the router, and a match exact to the block.
 

@@ -17,8 +17,8 @@ from shoal.settings import flag_and_variable
 from shoal.up.settings import UpSettings
 from shoal.worker.hardware import detect_profile
 from shoal.worker.main import run_worker
-from shoal.worker.plan import plan
 from shoal.worker.settings import WorkerSettings
+from shoal.worker.text.plan import plan
 
 log = logging.getLogger(__name__)
 

@@ -42,12 +42,13 @@ from shoal.protocol.messages import (
     ShardStart,
 )
 from shoal.units import GIB
-from shoal.worker import hardware, loopback
-from shoal.worker.attached import AttachedServer
-from shoal.worker.backend import Backend, BackendTarget, discover_model
-from shoal.worker.drain import Drain, Drained, drain
-from shoal.worker.image_plan import ImagePlan, plan_images, start_images
-from shoal.worker.link import (
+from shoal.worker import hardware
+from shoal.worker.images.plan import ImagePlan, plan_images, start_images
+from shoal.worker.jobs.runner import JobRunner
+from shoal.worker.link.drain import Drain, Drained, drain
+from shoal.worker.link.outbox import Outbox
+from shoal.worker.link.redis_pull import RedisPuller, redis_address, redis_client
+from shoal.worker.link.router_link import (
     NO_LLAMA_CPP,
     NoShards,
     RouterLink,
@@ -55,10 +56,15 @@ from shoal.worker.link import (
     ShardOrders,
     client_tls_context,
 )
-from shoal.worker.llama_server import LlamaServer
-from shoal.worker.outbox import Outbox
-from shoal.worker.pinning import SlotPinning
-from shoal.worker.plan import (
+from shoal.worker.settings import WorkerSettings
+from shoal.worker.shards.host import ShardHost, ShardTools
+from shoal.worker.shards.tunnels import TunnelEnds
+from shoal.worker.text import loopback
+from shoal.worker.text.attached import AttachedServer
+from shoal.worker.text.backend import Backend, BackendTarget, discover_model
+from shoal.worker.text.llama_server import LlamaServer
+from shoal.worker.text.pinning import SlotPinning
+from shoal.worker.text.plan import (
     Plan,
     gpus_unused_before_plan,
     local_model,
@@ -67,12 +73,7 @@ from shoal.worker.plan import (
     plan,
     stage_source,
 )
-from shoal.worker.redis_pull import RedisPuller, redis_address, redis_client
-from shoal.worker.runner import JobRunner
-from shoal.worker.settings import WorkerSettings
-from shoal.worker.shards import ShardHost, ShardTools
-from shoal.worker.slots import SlotTable
-from shoal.worker.tunnels import TunnelEnds
+from shoal.worker.text.slots import SlotTable
 
 log = logging.getLogger(__name__)
 

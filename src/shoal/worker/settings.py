@@ -12,7 +12,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 
 from shoal.llama_cpp.options import LlamaCppOptions
 from shoal.protocol.messages import WS_PATH
-from shoal.worker.stall import DEFAULT_TIMEOUT_S as DEFAULT_STALL_TIMEOUT_S
+from shoal.worker.text.stall import DEFAULT_TIMEOUT_S as DEFAULT_STALL_TIMEOUT_S
 
 REDIS_SCHEMES = frozenset({"redis", "rediss", "unix"})
 MIN_STALL_TIMEOUT_S = 1.0

@@ -41,7 +41,7 @@ from shoal.router.deployments.nodes import planning_nodes
 from shoal.router.deployments.placement import Strategy
 from shoal.router.dispatch.workers import Registry
 from shoal.router.errors import BadRequest
-from shoal.worker.shards import head_args
+from shoal.worker.shards.host import head_args
 from socketless import worker_connection
 
 

@@ -23,7 +23,7 @@ from shoal.router.deployments.launch import (
     too_many_devices,
 )
 from shoal.router.deployments.placement import DeviceShare, Plan, Shard, Strategy
-from shoal.worker.shards import offload_args
+from shoal.worker.shards.host import offload_args
 
 
 def llama_cpp_devices(n_layer: int, ngl: int, tensor_split: tuple[int, ...]) -> list[int]:

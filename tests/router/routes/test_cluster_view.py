@@ -44,8 +44,8 @@ from shoal.router.dispatch.redis import RedisDispatcher
 from shoal.router.dispatch.workers import WorkerConnection
 from shoal.router.routes.inference import FastPath
 from shoal.router.settings import RouterSettings
-from shoal.worker.redis_presence import Presence, summary
-from shoal.worker.redis_pull import consumer_name
+from shoal.worker.link.redis_presence import Presence, summary
+from shoal.worker.link.redis_pull import consumer_name
 from socketless import worker_connection
 
 M = ModelName("smol")

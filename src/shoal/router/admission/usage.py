@@ -5,7 +5,7 @@ OpenAI-style bodies carry ``usage``; llama-server also attaches ``timings`` (``p
 ``cache_n``, ``predicted_n``) to the last chunk of every stream, which is the only count a
 streamed chat answer carries when the client did not ask for ``stream_options.include_usage``.
 Other servers (vLLM, Ollama) count a stream's tokens only when asked, so a worker attached to
-one always asks (``worker/backend.py``, ``BackendTarget.ask_usage``); the router charges the
+one always asks (``worker/text/backend.py``, ``BackendTarget.ask_usage``); the router charges the
 tokens from what the worker sent and gives a client that did not ask a stream without usage
 (``for_client``), as OpenAI does: no usage-only last chunk, no ``usage`` field.
 """

@@ -40,8 +40,8 @@ from shoal.models.resolve import resolve_model  # noqa: E402
 from shoal.protocol.ids import JobId, ModelName  # noqa: E402
 from shoal.protocol.messages import Continuation, Endpoint, JobStart  # noqa: E402
 from shoal.worker.jobs.sink import JobOutcome  # noqa: E402
-from shoal.worker.text import backend as backend_module  # noqa: E402
 from shoal.worker.text.backend import Backend, BackendTarget  # noqa: E402
+from shoal.worker.text.resume import going_on as going_on_module  # noqa: E402
 
 MODEL = "bench"
 PROMPTS: list[tuple[str, Endpoint, Any]] = [
@@ -213,5 +213,5 @@ if __name__ == "__main__":
     )
     args = parser.parse_args()
     if args.one_batch:
-        backend_module.prefill_prompts = lambda prompt, produced, step=0: []
+        going_on_module.prefill_prompts = lambda prompt, produced, step=0: []
     asyncio.run(main(args.tokens, args.step, args.threads, args.b_args, args.only, args.one_batch))

@@ -14,13 +14,9 @@ from shoal.worker.backoff import Backoff
 from shoal.worker.hardware import MemoryProbe, detect_profile
 from shoal.worker.jobs.runner import JobRunner
 from shoal.worker.link.outbox import Outbox
-from shoal.worker.link.router_link import (
-    NO_LLAMA_CPP,
-    NoShards,
-    RouterLink,
-    Routers,
-    client_tls_context,
-)
+from shoal.worker.link.router_link import NoShards, RouterLink, Routers
+from shoal.worker.shards.tools import NO_LLAMA_CPP
+from shoal.worker.tls import client_tls_context
 
 
 def registration(worker_id: str = "link-test") -> Register:

@@ -51,6 +51,15 @@ LAYERS: Mapping[str, Layers] = {
         ("settings", "errors"),
         ("__init__",),
     ),
+    "shoal.worker": (
+        ("main", "service"),  # the composition root; installing it as a system service
+        ("serving",),  # what the worker serves, told to every link
+        ("link", "shards"),  # how jobs reach it; its parts in split models
+        ("text", "images"),  # the models it serves
+        ("jobs",),  # the running jobs and where their output goes
+        ("settings", "hardware", "lifecycle", "backoff", "tls", "tasks"),
+        ("__init__",),
+    ),
 }
 
 

@@ -19,8 +19,8 @@ from shoal.protocol.shards import ShardRole, ShardStart, ShardState, ShardStatus
 from shoal.worker.backoff import Backoff
 from shoal.worker.link.outbox import Outbox, frames
 from shoal.worker.settings import WorkerSettings, router_ws_url
-from shoal.worker.text.backend import sse_data
 from shoal.worker.text.backend_errors import context_needed, error_from_body
+from shoal.worker.text.streams import sse_data
 
 
 @given(st.integers(0, 50), st.floats(0, 1))

@@ -79,10 +79,10 @@ def data(args: argparse.Namespace) -> int:
 def worker(args: argparse.Namespace) -> int:
     from shoal.worker.hardware import detect_profile
     from shoal.worker.link.drain import Drain
-    from shoal.worker.link.router_link import Refusal
     from shoal.worker.main import run_worker
     from shoal.worker.settings import WorkerSettings
     from shoal.worker.text.plan import WorkerConfigError, plan, plans_text
+    from shoal.worker.tls import Refusal
 
     settings = _settings(WorkerSettings, args)
     logs.setup(settings.log_level)

@@ -47,8 +47,8 @@ from shoal.models.errors import ModelError
 from shoal.models.resolve import FitContext, decide
 from shoal.protocol.messages import PROTOCOL_VERSION, RefusalCode
 from shoal.worker.hardware import HardwareError, selected
-from shoal.worker.link.router_link import Refusal, client_tls_context
 from shoal.worker.settings import WorkerSettings
+from shoal.worker.tls import Refusal, client_tls_context
 
 ROUTER_TIMEOUT_S = 5.0
 """How long the router may take to answer ``/health`` and the worker socket's first frame."""

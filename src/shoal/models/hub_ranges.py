@@ -1,7 +1,7 @@
 """Parts of a GGUF on the Hugging Face Hub, fetched with HTTP ``Range``: never the whole file.
 
 A stage of a split model pre-seeds its RPC cache with the tensors of its layers
-(``worker.rpc_seed``). When it has no copy of the model, it fetches from the Hub's resolve
+(``worker.shards.rpc_seed``). When it has no copy of the model, it fetches from the Hub's resolve
 URL (pinned to the commit the ``HEAD`` call names, through huggingface_hub's session, token
 and endpoint like every download: ``hub``) only:
 

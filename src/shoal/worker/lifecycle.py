@@ -1,6 +1,6 @@
 """A backend's lifecycle on a worker, and the gate its jobs wait at until it is ready.
 
-llama-server (``llama_server.py``) and an image model (``image_service.py``) each move through
+llama-server (``text/llama_server.py``) and an image model (``images/service.py``) each move through
 ``BackendState`` by their own table (``shoal.lifecycle``); ``BackendLifecycle`` adds what both
 do around a move (keep the reason, wake the jobs waiting, tell the worker) and the wait of a
 job: until READY, asking for a load when UNLOADED, raising when FAILED.
@@ -16,6 +16,11 @@ from shoal.lifecycle import Lifecycle, Transitions
 from shoal.protocol.messages import BackendState
 
 StateCallback = Callable[[BackendState, str], None]
+
+
+class NotServing(Exception):
+    """A job waited for its backend (llama-server, an image model), which failed for good
+    instead of becoming ready."""
 
 
 class BackendLifecycle:

@@ -12,9 +12,10 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 
 from shoal.llama_cpp.options import LlamaCppOptions
 from shoal.protocol.messages import WS_PATH
-from shoal.worker.text.stall import DEFAULT_TIMEOUT_S as DEFAULT_STALL_TIMEOUT_S
 
 REDIS_SCHEMES = frozenset({"redis", "rediss", "unix"})
+DEFAULT_STALL_TIMEOUT_S = 10.0
+"""``--backend-stall-timeout``'s default (``text/stall.py``)."""
 MIN_STALL_TIMEOUT_S = 1.0
 
 
@@ -337,6 +338,11 @@ class WorkerSettings(LlamaCppOptions):
                 "worker against a router (--router-url)"
             )
         return self
+
+    @property
+    def serves_images(self) -> bool:
+        """Image models are named (``--image-model`` or ``--image-backend-url``)."""
+        return bool(self.image_model or self.image_backend_url)
 
     @property
     def router_urls(self) -> tuple[str, ...]:

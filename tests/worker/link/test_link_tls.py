@@ -22,12 +22,8 @@ from shoal.protocol.messages import (
 from shoal.router.app import serve
 from shoal.router.settings import RouterSettings
 from shoal.worker.backoff import Backoff
-from shoal.worker.link.router_link import (
-    LinkState,
-    RouterLink,
-    UntrustedRouter,
-    client_tls_context,
-)
+from shoal.worker.link.router_link import LinkState, RouterLink
+from shoal.worker.tls import UntrustedRouter, client_tls_context
 
 LINK_TIMEOUT_S = 15.0
 

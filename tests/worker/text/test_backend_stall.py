@@ -9,8 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from shoal.worker.settings import DEFAULT_STALL_TIMEOUT_S as DEFAULT_TIMEOUT_S
 from shoal.worker.settings import WorkerSettings
-from shoal.worker.text.stall import DEFAULT_TIMEOUT_S, deadline, hung, probe_every
+from shoal.worker.text.stall import deadline, hung, probe_every
 
 NOW = 100.0
 

@@ -1,8 +1,8 @@
 """What every image engine offers the worker: one ``ImageEngine`` protocol and its types.
 
-Two engines implement it: ``DiffusersEngine`` (``image_diffusers.py``: a pipeline run here on
-PyTorch) and ``A1111Engine`` (``image_a1111.py``: an Automatic1111/Forge-compatible server the
-worker attaches to). ``ImageBackend`` (``image_backend.py``) runs jobs on either.
+Two engines implement it: ``DiffusersEngine`` (``diffusers_engine.py``: a pipeline run here on
+PyTorch) and ``A1111Engine`` (``a1111.py``: an Automatic1111/Forge-compatible server the
+worker attaches to). ``ImageBackend`` (``backend.py``) runs jobs on either.
 
 An engine runs one generation at a time (it holds a lock while it does); ``generate`` reports
 each finished denoising step through ``on_step`` on the event loop, and stops when cancelled.

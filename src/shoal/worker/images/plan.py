@@ -33,10 +33,6 @@ class ImagePlan:
     checkpoint: str | None = None
 
 
-def serves_images(settings: WorkerSettings) -> bool:
-    return bool(settings.image_model or settings.image_backend_url)
-
-
 def image_specs(settings: WorkerSettings) -> list[str]:
     return [s.strip() for s in (settings.image_model or "").split(",") if s.strip()]
 

@@ -25,8 +25,7 @@ from shoal.lifecycle import Transitions
 from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import BackendState, Endpoint, ModelInfo
 from shoal.worker.images.engine import ImageEngine, ImageEngineError
-from shoal.worker.lifecycle import BackendLifecycle, StateCallback
-from shoal.worker.text.llama_server import NotServing
+from shoal.worker.lifecycle import BackendLifecycle, NotServing, StateCallback
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,9 @@
 """The worker's running jobs: one task each, inside one task group, cancellable by id.
 
-Text jobs run on the worker's backend (llama-server or an attached server), or on the one
-``route`` names for their model; image jobs on the function ``serve`` gives for the image
-endpoints (``ImageModels.run_job``).
+Text jobs run on the worker's backend (``text/backend.py``: llama-server or an attached
+server), or on the one ``route`` names for their model; image jobs on the function ``serve``
+gives for the image endpoints (``ImageModels.run_job``). The runner knows each only as a
+``JobFunction``.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from contextlib import AbstractAsyncContextManager
 from shoal.protocol.ids import JobId
 from shoal.protocol.messages import Endpoint, ErrorBody, JobFailed, JobStart
 from shoal.worker.jobs.sink import JobSink
-from shoal.worker.text.backend import Backend
-from shoal.worker.text.llama_server import NotServing
+from shoal.worker.lifecycle import NotServing
+from shoal.worker.tasks import HeldGroup
 
 Gate = Callable[[], AbstractAsyncContextManager[None]]
 """Holds the backend for one job (``LlamaServer.use``: loads it first if it was unloaded)."""
@@ -32,12 +33,13 @@ JobFunction = Callable[[JobStart, JobSink], Awaitable[None]]
 class JobRunner:
     def __init__(self, outbox: JobSink) -> None:
         self.outbox = outbox
-        self.backend: Backend | None = None
+        self.backend: JobFunction | None = None
+        """Runs text jobs (``Backend.run``)."""
         self.gate: Gate = contextlib.nullcontext
-        self._routes: dict[str, tuple[Backend, Gate]] = {}
+        self._routes: dict[str, tuple[JobFunction, Gate]] = {}
         self._images: dict[Endpoint, JobFunction] = {}
         self._tasks: dict[JobId, asyncio.Task[None]] = {}
-        self._group: asyncio.TaskGroup | None = None
+        self._held = HeldGroup("job runner")
         self._idle = asyncio.Event()
         """Set while no job runs."""
         self._idle.set()
@@ -55,21 +57,15 @@ class JobRunner:
         for endpoint in endpoints:
             self._images[endpoint] = run
 
-    async def run(self, backend: Backend | None = None, gate: Gate | None = None) -> None:
-        """Own the task group jobs run in, until cancelled. ``backend`` serves text jobs (a
+    async def run(self, backend: JobFunction | None = None, gate: Gate | None = None) -> None:
+        """Own the task group jobs run in, until cancelled. ``backend`` runs text jobs (a
         worker with only an image model has none)."""
         if backend is not None:
             self.backend = backend
             self.gate = gate or contextlib.nullcontext
-        async with asyncio.TaskGroup() as tg:
-            self._group = tg
-            try:
-                await asyncio.Event().wait()
-            finally:
-                self._group = None
-                self.cancel_all("worker stopping")
+        await self._held.hold(lambda: self.cancel_all("worker stopping"))
 
-    def route(self, model: str, backend: Backend, gate: Gate) -> None:
+    def route(self, model: str, backend: JobFunction, gate: Gate) -> None:
         """Send jobs for ``model`` to ``backend`` (a split model this worker is the head of)."""
         self._routes[model] = (backend, gate)
 
@@ -77,7 +73,7 @@ class JobRunner:
         self._routes.pop(model, None)
 
     def start(self, job: JobStart) -> None:
-        if self._group is None:
+        if not self._held.open:
             raise RuntimeError("job runner is not running")
         if job.endpoint.is_image:
             self._start_image(job)
@@ -92,12 +88,11 @@ class JobRunner:
             job.endpoint.value,
             job.stream,
         )
-        task = self._group.create_task(self._run(job, backend.run, gate))
+        task = self._held.start(self._run(job, backend, gate))
         self._tasks[job.job_id] = task
         self._idle.clear()
 
     def _start_image(self, job: JobStart) -> None:
-        assert self._group is not None
         run = self._images.get(job.endpoint)
         if run is None:
             log.warning("job %s: this worker does not serve %s", job.job_id, job.endpoint.path)
@@ -109,7 +104,7 @@ class JobRunner:
             self.outbox.send(JobFailed(job_id=job.job_id, status=400, error=error))
             return
         log.info("job %s model=%s endpoint=%s: started", job.job_id, job.model, job.endpoint)
-        self._tasks[job.job_id] = self._group.create_task(self._run(job, run))
+        self._tasks[job.job_id] = self._held.start(self._run(job, run))
         self._idle.clear()
 
     async def _run(

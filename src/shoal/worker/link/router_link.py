@@ -28,7 +28,6 @@ import logging
 import ssl
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -66,6 +65,7 @@ from shoal.worker.hardware import MemoryProbe
 from shoal.worker.jobs.runner import JobRunner
 from shoal.worker.link.dialing import advice, failure_reason, refusal_text
 from shoal.worker.link.outbox import Outbox
+from shoal.worker.tls import Refusal, UntrustedRouter
 
 log = logging.getLogger(__name__)
 
@@ -96,14 +96,6 @@ ALLOWED = Transitions(
 )
 
 
-class Refusal(Exception):
-    """This worker cannot join the router; when ``fatal``, retrying cannot help (exit 2)."""
-
-    def __init__(self, message: str, *, fatal: bool = True) -> None:
-        super().__init__(message)
-        self.fatal = fatal
-
-
 class RouterRefused(Refusal):
     """The router answered the registration with ``refused``; ``keyed``: with a key given."""
 
@@ -114,29 +106,10 @@ class RouterRefused(Refusal):
         self.refused = refused
 
 
-class UntrustedRouter(Refusal):
-    """The router's TLS certificate cannot be verified: a setting to fix, not a network blip."""
-
-
 _TLS_HINT = (
     "If a private CA signed the router's certificate, give this worker that CA's certificate "
     "with --tls-ca; check also that the host in --router-url is one the certificate names."
 )
-
-
-def client_tls_context(ca: Path | None) -> ssl.SSLContext:
-    """A context that verifies servers: against the system's CAs, or only ``ca`` (PEM).
-
-    For the router link (``RouterLink(ssl=...)``) and HTTPS model stores alike.
-    """
-    try:
-        return ssl.create_default_context(cafile=ca)
-    except OSError as exc:  # ssl.SSLError too: the file is not a PEM certificate
-        reason = exc.strerror or getattr(exc, "reason", None) or str(exc)
-        raise UntrustedRouter(
-            f"cannot use {ca} as the CA certificate (--tls-ca): {reason}. Give the PEM file "
-            "of the CA that signed the router's certificate."
-        ) from None
 
 
 class Routers:
@@ -175,9 +148,6 @@ class ShardOrders(Protocol):
     def stop(self, deployment: str) -> None: ...
 
     def dial(self, msg: TunnelDial) -> None: ...
-
-
-NO_LLAMA_CPP = "this worker runs no llama.cpp of its own (--backend-url)"
 
 
 class NoShards:

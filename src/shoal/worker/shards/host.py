@@ -37,7 +37,6 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import aiohttp
 
@@ -58,7 +57,9 @@ from shoal.protocol.shards import (
 )
 from shoal.worker.jobs.runner import JobRunner
 from shoal.worker.shards.rpc_seed import SeedOrder, seed
+from shoal.worker.shards.tools import ShardTools
 from shoal.worker.shards.tunnels import TunnelEnds
+from shoal.worker.tasks import HeldGroup
 from shoal.worker.text.backend import Backend, BackendTarget
 from shoal.worker.text.llama_server import LlamaServer, LlamaServerConfig, free_port, stop_process
 
@@ -79,36 +80,6 @@ ALLOWED = Transitions(
         ShardState.STOPPED: frozenset(),
     }
 )
-
-
-@dataclass(frozen=True)
-class ShardTools:
-    """What shards need from the worker, decided once at start."""
-
-    llama_server: Path
-    rpc_server: Path | None
-    build: str
-    logs: Path
-    threads: int | None
-    """``llama-server --threads`` for heads (None: llama.cpp's own choice)."""
-    stage_threads: int
-    """``ggml-rpc-server -t`` (``llama_cpp.threads.stage_threads``)."""
-    env: tuple[tuple[str, str], ...]
-    """Added to every shard process's environment (``llama_cpp.threads.spin_env``)."""
-    rpc_host: str | None
-    """Direct mode: the address stages listen on (None: this worker refuses direct mode)."""
-    resolve: Callable[[ShardStart], Path]
-    """A shard's model (the file the router pinned, else its source: a model-store id or a
-    path) -> the GGUF on this machine. Blocking."""
-    layer_source: Callable[[ShardStart], tuple[Path, str]]
-    """A stage's model and layers -> a GGUF holding at least those layers' hashed tensors and
-    where they came from: ``local`` (a copy here), ``store`` (the store's pull of them) or
-    ``hub`` (their byte ranges from Hugging Face). Blocking."""
-    devices: Callable[[], tuple[ComputeDevice, ...]]
-    """The devices a stage computes on, listed now (``llama_cpp.devices``; () for the CPU).
-    Blocking."""
-    rpc_cache: RpcCache | None
-    """``ggml-rpc-server -c``'s cache, which stages pre-seed (None: no cache, no seeding)."""
 
 
 @dataclass(eq=False)
@@ -151,7 +122,7 @@ class ShardHost:
         self._tunnels = tunnels
         self._on_models = on_models
         self._shards: dict[str, _Shard] = {}
-        self._group: asyncio.TaskGroup | None = None
+        self._held = HeldGroup("shard host")
 
     @property
     def models(self) -> tuple[ModelInfo, ...]:
@@ -168,20 +139,17 @@ class ShardHost:
         )
 
     async def run(self) -> None:
-        async with asyncio.TaskGroup() as tg:
-            self._group = tg
-            try:
-                await asyncio.Event().wait()
-            finally:
-                self._group = None
-                for shard in self._shards.values():
-                    if shard.task is not None:
-                        shard.task.cancel()
+        await self._held.hold(self._stop_all)
+
+    def _stop_all(self) -> None:
+        for shard in self._shards.values():
+            if shard.task is not None:
+                shard.task.cancel()
 
     # ------------------------------------------------------------ router's orders
 
     def start(self, spec: ShardStart) -> None:
-        if self._group is None:
+        if not self._held.open:
             raise RuntimeError("shard host is not running")
         old = self._shards.get(spec.deployment)
         if old is not None and old.spec == spec and old.state is not ShardState.FAILED:
@@ -192,7 +160,7 @@ class ShardHost:
         self._shards[spec.deployment] = shard
         self._send(self._status(shard, "starting"))  # says which build this worker runs
         run = self._stage if spec.role is ShardRole.STAGE else self._head
-        shard.task = self._group.create_task(self._guard(shard, run(shard)))
+        shard.task = self._held.start(self._guard(shard, run(shard)))
 
     def stop(self, deployment: str) -> None:
         shard = self._shards.pop(deployment, None)
@@ -210,10 +178,10 @@ class ShardHost:
     def dial(self, msg: TunnelDial) -> None:
         """The head opened one more connection to this stage through the router: join it."""
         shard = self._shards.get(msg.deployment)
-        if self._group is None or shard is None or shard.rpc_port is None:
+        if not self._held.open or shard is None or shard.rpc_port is None:
             log.warning("deployment %s: tunnel dial for a stage not running here", msg.deployment)
             return
-        self._group.create_task(self._tunnels.connect_stage(msg, LOCALHOST, shard.rpc_port))
+        self._held.start(self._tunnels.connect_stage(msg, LOCALHOST, shard.rpc_port))
 
     # ------------------------------------------------------------ shards
 
@@ -357,9 +325,8 @@ class ShardHost:
                     for d in devices
                 )
                 target = BackendTarget(spec.model, stream_upstream=True, token_ids=True)
-                self._runner.route(
-                    spec.model, Backend(target, self._session, lambda: server.url), server.use
-                )
+                backend = Backend(target, self._session, lambda: server.url)
+                self._runner.route(spec.model, backend.run, server.use)
                 self._move(shard, ShardState.READY, f"serving {spec.model} on {server.url}")
                 self._on_models()
                 await running

@@ -42,7 +42,8 @@ import aiohttp
 from shoal.lifecycle import Transitions
 from shoal.protocol.messages import BackendState
 from shoal.worker.backoff import Backoff
-from shoal.worker.lifecycle import BackendLifecycle, StateCallback
+from shoal.worker.lifecycle import BackendLifecycle, NotServing, StateCallback
+from shoal.worker.settings import DEFAULT_STALL_TIMEOUT_S
 from shoal.worker.text import stall
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ class LlamaServerConfig:
     """``--device``/``--split-mode``/``--tensor-split`` for the GPUs this worker may use."""
     env: tuple[tuple[str, str], ...] = ()
     """Variables added to llama-server's environment (e.g. ``CUDA_DEVICE_ORDER``)."""
-    stall_timeout_s: float = stall.DEFAULT_TIMEOUT_S
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     """While jobs hold it: seconds without an answer to ``/health`` after which it is killed
     and restarted (``stall.py``; 0: only the idle health check applies)."""
 
@@ -159,10 +160,6 @@ class Unloaded(Exited):
 
 class Hung(Exited):
     """Did not answer while jobs waited on it (``stall.py``); already killed."""
-
-
-class NotServing(Exception):
-    """A job waited for llama-server, which failed for good instead of becoming ready."""
 
 
 @dataclass

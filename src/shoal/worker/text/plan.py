@@ -5,7 +5,7 @@ Hugging Face Hub with the quantization that fits this machine, or the model stor
 builds llama-server's exact configuration (its threads: those the llama.cpp servers already
 on this machine leave free); with ``--backend-url`` it only names the attached
 server's model. Mistakes raise ``WorkerConfigError`` (or a model error) before the worker
-dials its router. Image models are planned apart (``image_plan.py``).
+dials its router. Image models are planned apart (``images/plan.py``).
 """
 
 from __future__ import annotations
@@ -38,10 +38,9 @@ from shoal.paths import logs_dir, models_dir
 from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import AGENT_ENDPOINTS, Endpoint, ModelFile, ModelInfo, ShardStart
 from shoal.worker import hardware
-from shoal.worker.images.plan import serves_images
-from shoal.worker.link.router_link import Refusal, client_tls_context
 from shoal.worker.settings import WorkerSettings
 from shoal.worker.text.llama_server import LlamaServerConfig
+from shoal.worker.tls import Refusal, client_tls_context
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +66,7 @@ def _names_text_model(settings: WorkerSettings) -> bool:
 def needs_router_default(settings: WorkerSettings) -> bool:
     """True when only the router can say which model to serve (never in pull mode; never
     with only an image model, which serves no text)."""
-    return not (_names_text_model(settings) or serves_images(settings))
+    return not (_names_text_model(settings) or settings.serves_images)
 
 
 def plans_text(settings: WorkerSettings) -> bool:

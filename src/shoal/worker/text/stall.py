@@ -27,9 +27,6 @@ bounds how long a client waits on that.
 
 from __future__ import annotations
 
-DEFAULT_TIMEOUT_S = 10.0
-"""``--backend-stall-timeout``'s default."""
-
 
 def hung(now: float, last_answer: float, busy_since: float | None, timeout: float) -> bool:
     """Whether llama-server, last heard at ``last_answer``, is hung; ``busy_since``: when

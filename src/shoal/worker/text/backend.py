@@ -20,14 +20,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from shoal.protocol.messages import (
-    Endpoint,
-    ErrorBody,
-    JobDone,
-    JobFailed,
-    JobResult,
-    JobStart,
-)
+from shoal.protocol.messages import Endpoint, ErrorBody, JobDone, JobFailed, JobResult, JobStart
 from shoal.worker.jobs.sink import JobSink
 from shoal.worker.text import loopback, typed_streams
 from shoal.worker.text.backend_errors import context_needed, error_from_body

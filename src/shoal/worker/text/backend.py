@@ -91,7 +91,6 @@ class Backend:
         self.session = session
         self.base_url = base_url  # llama-server's port may change when it restarts
         self.pinning = pinning
-        self.going_on = GoingOn(base_url, self._post, self._rename, resumable=target.token_ids)
 
     def _collects(self, job: JobStart) -> bool:
         """Whether this job is streamed from the backend and assembled here."""
@@ -161,7 +160,10 @@ class Backend:
         try:
             async with self._pin(job) as pin:
                 if job.resume is not None:
-                    await self.going_on.run(job, job.resume, out, pin)
+                    going_on = GoingOn(
+                        self.base_url, self._post, self._rename, self.target.token_ids
+                    )
+                    await going_on.run(job, job.resume, out, pin)
                     return
                 if pin is not None and self.pinning is not None:
                     progress.on_first = functools.partial(self.pinning.first_output, pin)

@@ -123,7 +123,11 @@ def test_a_killed_stage_degrades_the_split_then_it_is_redeployed(cluster: Cluste
     }
     router.wait_workers(2)
     body = {"model": str(cluster.model_path), "name": "smol-split", "ctx": 1024}  # relayed
-    r = http_calls.post(router.url + "/api/v1/pipeline/deploy", json=body, headers=router.headers)
+    # The router reads the GGUF's tensor table to plan: more than httpx's default 5 s on a
+    # loaded machine.
+    r = http_calls.post(
+        router.url + "/api/v1/pipeline/deploy", json=body, headers=router.headers, timeout=60
+    )
     assert r.status_code == 202, r.text
     wait_until(lambda: deployment(router, "smol-split")["state"] == "serving", 120, "serving")
     before = ask(router, "smol-split", PROMPTS[0])

@@ -26,7 +26,7 @@ from cluster import API_KEY, MODEL, Cluster, Router
 
 pytestmark = pytest.mark.e2e
 
-TOOL_TEMPLATE = Path(__file__).parents[1] / "worker" / "data" / "qwen2.5-tools.jinja"
+TOOL_TEMPLATE = Path(__file__).parents[1] / "worker/text/resume/data/qwen2.5-tools.jinja"
 HELLO = "Say hello in one word."
 WEATHER_QUESTION = "What is the weather in Paris for the next 3 days?"
 CALL_OPENING = "<tool_call>\n"

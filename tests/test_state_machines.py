@@ -119,7 +119,11 @@ ROUTER = {
             (D.STARTING, D.DEGRADED),
             (D.STARTING, D.PENDING),
             (D.SERVING, D.DEGRADED),
-            (D.SERVING, D.PENDING),  # rebalanced
+            (D.SERVING, D.PENDING),  # undone by another router
+            (D.SERVING, D.DRAINING),  # rebalanced: answers in flight finish first
+            (D.DRAINING, D.PENDING),  # then it switches to the new plan
+            (D.DRAINING, D.DEGRADED),
+            (D.DRAINING, D.DRAINING),
             (D.DEGRADED, D.STARTING),
             (D.DEGRADED, D.PENDING),
             (D.DEGRADED, D.DEGRADED),

@@ -86,6 +86,9 @@ async def test_head_connections_are_paired_with_stage_dial_backs(
         await wait_for(lambda: tunnel.live_connections == 0)
         assert tunnel.bytes_head_to_stage == total
         assert tunnel.bytes_stage_to_head == total
+        # each echo is a request and its reply: the hub timed at least one turnaround each (a
+        # big one's reply starts while it is still being sent: a turnaround per chunk then)
+        assert len(tunnel.turnarounds) >= len(payloads)
         assert rig.stage_errors == []
         rig.hub.close_tunnel(tunnel.id)
 

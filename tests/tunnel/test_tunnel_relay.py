@@ -65,6 +65,9 @@ def test_random_payloads_both_ways(mode: str, no_leaks: None) -> None:
             sender.join()
     assert relay.join(5)
     assert relay.traffic == Traffic(sum(sizes), sum(s // 2 + 1 for s in sizes))
+    # Every request got its reply before the next: one turnaround each, all positive.
+    turnarounds = list(relay.traffic.turnarounds)
+    assert len(turnarounds) == len(sizes) and all(t > 0 for t in turnarounds)
 
 
 @pytest.mark.parametrize("mode", ["copy", "splice"])
@@ -145,3 +148,15 @@ async def test_stream_relay_both_ways_and_close(no_leaks: None) -> None:
     assert traffic == Traffic(len(payload), 4)
     await c_w.wait_closed()
     await s_w.wait_closed()
+
+
+def test_turnarounds_time_each_request_to_the_first_byte_of_its_reply() -> None:
+    traffic = Traffic()
+    traffic.answered(10)  # a reply nobody asked for (the stage speaks first): not timed
+    traffic.asked(5)
+    traffic.asked(5)  # the same request, a second chunk: still the first one's time
+    asked_at = traffic.asked_at
+    traffic.answered(3)
+    traffic.answered(3)  # the rest of the reply: not a new turnaround
+    assert len(traffic.turnarounds) == 1 and traffic.asked_at == 0 and asked_at > 0
+    assert (traffic.a_to_b, traffic.b_to_a) == (10, 16)

@@ -34,8 +34,9 @@ from shoal.protocol.shards import (
 )
 from shoal.protocol.telemetry import GpuSample
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 """Bumped on any incompatible change; a router refuses workers that speak another version.
+13: ``Register.shard_ram_bytes`` (the RAM a worker offers split models, ``--shard-ram``).
 12: ``Endpoint.RESPONSES``, ``MESSAGES`` and ``COUNT_TOKENS`` (OpenAI's Responses API and
 Anthropic's Messages API, carried to llama-server as the client sent them).
 11: ``Draining`` (a worker told to stop takes no new job and finishes those it runs).
@@ -203,6 +204,9 @@ class Register(Message):
     memory (() : a CPU build, or none chosen); ``stage_memory_bytes`` is their sum."""
     no_shards: str | None = None
     """Why this worker cannot run parts of split models (None: it can)."""
+    shard_ram_bytes: int | None = Field(None, ge=0)
+    """The most RAM split models' shards may plan on here (``--shard-ram``; None: all that
+    is free)."""
     gpus_unused: str | None = None
     """Why this worker's GPUs sit idle, with the fix: its llama.cpp build drives none of
     them (a CPU build on a GPU machine). None: it drives them, there are none, or the worker

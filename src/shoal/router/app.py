@@ -131,6 +131,7 @@ def build_app(settings: RouterSettings, store: KeyStore | None = None) -> infere
         _router_model(settings),
         _deployment_leases(settings, shared, name),
         pin=functools.partial(pin_model, cache_dir=settings.cache_dir),
+        rebalance_quiet_s=settings.rebalance_quiet_s,
     )
     dispatcher = build_dispatcher(settings, registry, metrics, name, deployments.unavailable)
     ctx = RouterContext(

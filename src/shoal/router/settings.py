@@ -153,6 +153,14 @@ class RouterSettings(CommonSettings):
         "between workers (authenticated per tunnel; TLS with --tls-cert). 0: any free port "
         "(workers are told which).",
     )
+    rebalance_quiet_s: float = Field(
+        5.0,
+        ge=0,
+        description="Seconds without another worker joining after which a serving split "
+        "model is planned again over the workers there are, and moved (drained, then "
+        "redeployed) if the new plan is better: layers off RAM onto GPUs, no worker over its "
+        "memory, or the fullest worker's share of its memory down by 10 points or more.",
+    )
     max_body_bytes: int = Field(
         8 * 1024 * 1024, ge=1024, description="Largest request body accepted (bytes); else 413."
     )

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import socket
 import ssl
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -36,7 +37,7 @@ from shoal.tunnel.handshake import (
     token_matches,
 )
 from shoal.tunnel.link import Link, LinkRelay
-from shoal.tunnel.relay import RelayMode, Traffic
+from shoal.tunnel.relay import TURNAROUNDS_KEPT, RelayMode, Traffic
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,10 @@ class Tunnel:
     stage_token: str = field(repr=False)
     connections: int = 0
     """Head connections accepted so far (the last connection number handed out)."""
+    turnarounds: deque[int] = field(
+        default_factory=lambda: deque(maxlen=TURNAROUNDS_KEPT), repr=False
+    )
+    """The last request->reply turnarounds of all its connections, in ns (``Traffic``)."""
     _closed_traffic: Traffic = field(default_factory=Traffic, repr=False)
     _live: set[LinkRelay] = field(default_factory=set, repr=False)
 
@@ -257,7 +262,11 @@ class TunnelHub:
 
     async def _pair(self, tunnel: Tunnel, conn_no: int, head: Link, stage: Link) -> None:
         relay = LinkRelay(
-            head, stage, name=f"{tunnel.id}#{conn_no}", mode=self.relay_mode, traffic=Traffic()
+            head,
+            stage,
+            name=f"{tunnel.id}#{conn_no}",
+            mode=self.relay_mode,
+            traffic=Traffic(turnarounds=tunnel.turnarounds),
         )
         try:
             await stage.send(ok_line(conn_no))

@@ -117,12 +117,12 @@ class LinkRelay:
     async def _flush_pending(self) -> None:
         if self.a.pending:
             data, self.a.pending = self.a.pending, b""
+            self.traffic.asked(len(data))
             await self.b.send(data)
-            self.traffic.a_to_b += len(data)
         if self.b.pending:
             data, self.b.pending = self.b.pending, b""
+            self.traffic.answered(len(data))
             await self.a.send(data)
-            self.traffic.b_to_a += len(data)
 
     def close(self) -> None:
         """End the relay from the event loop's thread; ``run()`` then returns."""

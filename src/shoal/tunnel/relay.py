@@ -26,7 +26,9 @@ import logging
 import os
 import socket
 import threading
-from dataclasses import dataclass
+import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Literal
 
 log = logging.getLogger(__name__)
@@ -35,14 +37,40 @@ RelayMode = Literal["copy", "splice"]
 BUFFER_BYTES = 1 << 16
 """Largest chunk moved per system call."""
 SPLICE_AVAILABLE = hasattr(os, "splice")
+TURNAROUNDS_KEPT = 256
+"""The most recent request->reply turnarounds a ``Traffic`` keeps."""
 
 
 @dataclass
 class Traffic:
-    """Bytes moved in each direction, from ``a`` to ``b`` and back. Each count has one writer."""
+    """Bytes moved in each direction, from ``a`` to ``b`` and back. Each count has one writer.
+
+    ``a`` asks and ``b`` answers (a head and its stage): ``turnarounds`` keeps, in
+    nanoseconds, the time from the first bytes ``a`` sent after ``b``'s last reply to the
+    first bytes of ``b``'s next reply, as the relay sees them: the relay->``b``->relay round
+    trip plus ``b``'s work on the request (llama.cpp's RPC answers each command it must
+    answer; a command that gets no answer counts towards the next one's turnaround)."""
 
     a_to_b: int = 0
     b_to_a: int = 0
+    turnarounds: deque[int] = field(
+        default_factory=lambda: deque(maxlen=TURNAROUNDS_KEPT), compare=False
+    )
+    asked_at: int = field(default=0, compare=False)
+    """When ``a``'s unanswered request arrived (``time.monotonic_ns``; 0: none waits)."""
+
+    def asked(self, n: int) -> None:
+        """``a`` sent ``n`` bytes (called by the ``a`` -> ``b`` direction only)."""
+        if not self.asked_at:
+            self.asked_at = time.monotonic_ns()
+        self.a_to_b += n
+
+    def answered(self, n: int) -> None:
+        """``b`` sent ``n`` bytes (called by the ``b`` -> ``a`` direction only)."""
+        if asked_at := self.asked_at:
+            self.turnarounds.append(time.monotonic_ns() - asked_at)
+            self.asked_at = 0
+        self.b_to_a += n
 
 
 def tune(sock: socket.socket) -> None:
@@ -153,24 +181,24 @@ class SocketRelay:
         view = memoryview(buf)
         traffic = self.traffic
         while n := src.recv_into(buf):
-            dst.sendall(view[:n])
             if forward:
-                traffic.a_to_b += n
+                traffic.asked(n)
             else:
-                traffic.b_to_a += n
+                traffic.answered(n)
+            dst.sendall(view[:n])
 
     def _splice(self, src: socket.socket, dst: socket.socket, forward: bool) -> None:
         r, w = os.pipe()
         try:
             src_fd, dst_fd, traffic = src.fileno(), dst.fileno(), self.traffic
             while n := os.splice(src_fd, w, BUFFER_BYTES, flags=os.SPLICE_F_MOVE):
+                if forward:
+                    traffic.asked(n)
+                else:
+                    traffic.answered(n)
                 left = n
                 while left:
                     left -= os.splice(r, dst_fd, left, flags=os.SPLICE_F_MOVE)
-                if forward:
-                    traffic.a_to_b += n
-                else:
-                    traffic.b_to_a += n
         finally:
             os.close(r)
             os.close(w)
@@ -223,12 +251,12 @@ async def _pump_stream(
 ) -> None:
     try:
         while data := await src.read(BUFFER_BYTES):
+            if forward:
+                traffic.asked(len(data))
+            else:
+                traffic.answered(len(data))
             dst.write(data)
             await dst.drain()
-            if forward:
-                traffic.a_to_b += len(data)
-            else:
-                traffic.b_to_a += len(data)
     except (OSError, ConnectionError) as exc:  # the peer went away: this direction is over
         log.debug("stream relay direction ended: %s", exc)
         dst.close()

@@ -67,6 +67,7 @@ def _registration(
             stage_memory_bytes=memory.stage_memory(),
             shard_devices=memory.shard_devices(),
             no_shards=serving.no_shards,
+            shard_ram_bytes=int(settings.shard_ram * 2**30) if settings.shard_ram else None,
             gpus_unused=serving.plan.gpus_unused if serving.plan else serving.early_gpus_unused,
         )
 

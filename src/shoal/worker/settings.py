@@ -274,6 +274,12 @@ class WorkerSettings(LlamaCppOptions):
         "cache (least recently used out). A stage pre-seeds its layers there, so a head sends "
         "it no weights; 0 turns the cache and pre-seeding off.",
     )
+    shard_ram: float | None = Field(
+        None,
+        gt=0,
+        description="GiB of RAM at most that split models' shards may plan on here (the "
+        "router plans with the smaller of this and the RAM free). Default: all the RAM free.",
+    )
     rpc_cache_dir: Path | None = Field(
         None,
         description="The folder that holds that cache (in rpc-cache/<llama.cpp build>/ "

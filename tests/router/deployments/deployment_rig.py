@@ -17,7 +17,7 @@ from shoal.protocol.messages import (
     decode_router_message,
 )
 from shoal.router.deployments.controller import Deployments
-from shoal.router.deployments.deployment import DeploymentSpec, TunnelBytes
+from shoal.router.deployments.deployment import DeploymentSpec, StageLink, TunnelBytes
 from shoal.router.deployments.pin import pin_model
 from shoal.router.deployments.placement import Strategy
 from shoal.router.deployments.store import DeploymentStore
@@ -33,6 +33,7 @@ class FakeTunnels:
     def __init__(self) -> None:
         self.closed: list[str] = []
         self.carried: dict[str, TunnelBytes] = {}
+        self.stage_links: dict[str, dict[str, StageLink]] = {}
 
     def open(self, deployment: str, stage: WorkerConnection) -> RpcPeer:
         return RpcPeer(
@@ -44,6 +45,9 @@ class FakeTunnels:
 
     def traffic(self, deployment: str) -> TunnelBytes:
         return self.carried.get(deployment, TunnelBytes())
+
+    def links(self, deployment: str) -> dict[str, StageLink]:
+        return self.stage_links.get(deployment, {})
 
 
 def connect(registry: Registry, name: str, ram: int = 8 * GIB) -> WorkerConnection:

@@ -15,6 +15,14 @@ reconciles every deployment:
   the head with the plan's ``-ngl``/``--tensor-split``. The head reports where the layers
   went; SERVING when it serves the model, which then appears in ``/v1/models`` because the
   head worker advertises it.
+* A worker that joins while a deployment serves (one it may be planned over): after
+  ``rebalance_quiet_s`` without another join, the deployment is planned again over the
+  workers there are, with the memory it holds given back (``rebalance.reclaimed``), and
+  ``rebalance.better`` judges the new plan against the serving one. A better plan: DRAINING
+  (no new request; the head finishes the answers it runs, at most ``DRAIN_TIMEOUT_S``), then
+  every shard stops and it is planned and started again (PENDING). Not better: nothing
+  happens (logged at DEBUG). ``POST …/rebalance`` drains and switches the same way whenever
+  the plan would change.
 * A shard that fails, or a worker of the deployment that leaves: DEGRADED. Every shard is
   stopped and a redeploy is tried after a backoff (and at once when a worker joins).
   Requests for the model meanwhile get a 503 with ``Retry-After``.
@@ -42,7 +50,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shoal.models.gguf_info import inspect_cached
-from shoal.protocol.ids import ModelName
+from shoal.protocol.ids import ModelName, WorkerId
 from shoal.protocol.messages import (
     ModelFile,
     ShardRole,
@@ -61,6 +69,7 @@ from shoal.router.deployments.leases import DeploymentLeases
 from shoal.router.deployments.nodes import deployment_nodes
 from shoal.router.deployments.placement import Node, NoFit, Plan
 from shoal.router.deployments.profile import Planned, plan_for
+from shoal.router.deployments.rebalance import better, quality, reclaimed
 from shoal.router.deployments.shards import (
     Shards,
     Tunnels,
@@ -79,6 +88,13 @@ RETRY_MAX_S = 30.0
 START_TIMEOUT_S = 300.0
 """A deployment whose shards are not all ready this long after starting is redeployed."""
 MAX_DEPLOYMENTS = 32
+REBALANCE_QUIET_S = 5.0
+"""The default quiet period after a worker joins before a rebalance is judged (several
+workers joining at once give one rebalance)."""
+DRAIN_TIMEOUT_S = 300.0
+"""A rebalance switches after this long even if answers are still running (they fail over)."""
+DRAIN_CHECK_S = 0.25
+"""How often a draining deployment looks whether its head's answers have ended."""
 
 
 class Specs(Protocol):
@@ -105,16 +121,20 @@ class Deployments:
         leases: DeploymentLeases | None = None,
         *,
         pin: Callable[[str], ModelFile | None],
+        rebalance_quiet_s: float = REBALANCE_QUIET_S,
     ) -> None:
         """``resolve``: a model source -> the GGUF on the router (blocking; raises
         ``ModelError``), for planning. ``pin``: a model source -> the exact file every shard
         must use (``pin.pin_model``; None: a path or store id, used as it is; blocking).
-        ``leases``: shared with other routers (None: this router runs every deployment)."""
+        ``leases``: shared with other routers (None: this router runs every deployment).
+        ``rebalance_quiet_s``: how long after the last worker joined a serving deployment is
+        judged for a rebalance."""
         self.registry = registry
         self.store = store
         self.tunnels = tunnels
         self.resolve = resolve
         self.pin = pin
+        self.rebalance_quiet_s = rebalance_quiet_s
         self.shards = Shards(registry, tunnels)
         self.sharing = Sharing(leases) if leases is not None else None
         self.items: dict[str, Deployment] = {}
@@ -175,14 +195,22 @@ class Deployments:
         return deployment
 
     def rebalance(self, name: str | None) -> list[Deployment]:
-        """Plan again over the workers there are now and redeploy where the plan changed."""
+        """Plan again over the workers there are now and redeploy where the plan changed: a
+        serving deployment drains first (its answers in flight finish), then switches."""
         chosen = [d for d in self.items.values() if name is None or d.name == name]
         for d in chosen:
-            if not self._runs(d):
-                continue  # its router rebalances it
-            planned = self._plan(d)
+            if not self._runs(d) or d.state is DeploymentState.DRAINING:
+                continue  # its router rebalances it; or it is switching already
+            serving = d.plan if d.state is DeploymentState.SERVING else None
+            planned = self._plan(d, serving)
             new = planned.result if planned is not None else None
-            if isinstance(new, Plan) and (d.plan is None or _layout(d.plan) != _layout(new)):
+            if not isinstance(new, Plan) or (
+                d.plan is not None and _layout(d.plan) == _layout(new)
+            ):
+                continue
+            if serving is not None:
+                self._drain(d, "rebalance requested")
+            else:
                 self.shards.stop(d, "rebalancing")
                 d.move(DeploymentState.PENDING, "rebalancing")
                 d.retry_at = 0.0
@@ -206,10 +234,20 @@ class Deployments:
     # ------------------------------------------------------------ worker side
 
     def on_registered(self, worker: WorkerConnection) -> None:
-        """A worker joined: stop shards it may still run from before; plans may fit now."""
+        """A worker joined: stop shards it may still run from before; plans may fit now, and
+        serving ones may be better with it (judged after the quiet period)."""
+        quiet_until = time.monotonic() + self.rebalance_quiet_s
         for d in self.items.values():
             if d.shard_of(worker.id) is None:
                 worker.send(ShardStop(deployment=d.name))
+                if d.state is DeploymentState.SERVING and d.spec.workers is None:
+                    d.rebalance_at = quiet_until  # a later join pushes it on
+                    log.debug(
+                        "deployment %s: worker %s joined; judging a rebalance in %g s",
+                        d.name,
+                        worker.id,
+                        self.rebalance_quiet_s,
+                    )
             elif d.state is not DeploymentState.PENDING:
                 self._degrade(d, f"worker {worker.id} reconnected")
         self.wake()
@@ -267,7 +305,7 @@ class Deployments:
             mine = [d for d in self.items.values() if self._runs(d)]
             for d in mine:
                 self._reconcile(d, now)
-            waits = [d.retry_at - now for d in mine if d.retry_at > now]
+            waits = [t - now for d in mine for t in (d.retry_at, d.rebalance_at) if t > now]
             try:
                 async with asyncio.timeout(min(waits) if waits else None):
                     await self._wake.wait()
@@ -331,13 +369,81 @@ class Deployments:
     def _reconcile(self, d: Deployment, now: float) -> None:
         if d.state is DeploymentState.STARTING and now - d.changed_at > START_TIMEOUT_S:
             self._degrade(d, f"not ready after {START_TIMEOUT_S:g} s")
+        if d.state is not DeploymentState.SERVING:
+            d.rebalance_at = 0.0  # it is planned again anyway
+        elif d.rebalance_at and now >= d.rebalance_at:
+            d.rebalance_at = 0.0
+            self._judge(d)
+        if d.state is DeploymentState.DRAINING and now >= d.retry_at:
+            self._drain_step(d, now)
         if d.state in (DeploymentState.PENDING, DeploymentState.DEGRADED) and now >= d.retry_at:
             self._start(d)
 
-    def _plan(self, d: Deployment) -> Planned | None:
+    # ------------------------------------------------------------ rebalancing
+
+    def _judge(self, d: Deployment) -> None:
+        """Workers joined while ``d`` serves: drain and switch if a plan now is better."""
+        assert d.plan is not None
+        nodes = deployment_nodes(self.registry, d.spec.workers)
+        if isinstance(nodes, str):
+            log.debug("deployment %s: no rebalance: %s", d.name, nodes)
+            return
+        nodes = reclaimed(nodes, d.plan)
+        try:
+            info = inspect_cached(self.resolve(d.spec.source))
+        except Exception as exc:  # unreadable now: it keeps serving; a redeploy would say why
+            log.debug("deployment %s: no rebalance: cannot read the model: %s", d.name, exc)
+            return
+        new = plan_for(info, nodes, d.spec.ctx, d.spec.strategy).result
+        why = None
+        if not isinstance(new, Plan) or _layout(new) != _layout(d.plan):
+            why = better(quality(d.plan, nodes), new, nodes)
+        if why is None:
+            log.debug("deployment %s: the workers that joined would not improve its plan", d.name)
+            return
+        self._drain(d, f"rebalancing: {why}")
+
+    def _drain(self, d: Deployment, why: str) -> None:
+        now = time.monotonic()
+        d.move(DeploymentState.DRAINING, f"{why}; answers in flight finish first")
+        d.drain_until = now + DRAIN_TIMEOUT_S
+        d.retry_at = now
+
+    def _drain_step(self, d: Deployment, now: float) -> None:
+        """Switch once the head runs no answer of ``d`` (or the drain timed out)."""
+        running = self._in_flight(d)
+        if running and now < d.drain_until:
+            d.retry_at = now + DRAIN_CHECK_S
+            return
+        if running:
+            log.warning(
+                "deployment %s: %d answer(s) still running after %g s; switching anyway",
+                d.name,
+                running,
+                DRAIN_TIMEOUT_S,
+            )
+        d.give_back = d.plan
+        self.shards.stop(d, "rebalancing")
+        d.move(DeploymentState.PENDING, "rebalancing: answers in flight done, switching")
+        d.attempts = 0
+        d.retry_at = 0.0
+
+    def _in_flight(self, d: Deployment) -> int:
+        head = self.registry.get(WorkerId(d.head.worker_id)) if d.head is not None else None
+        if head is None:
+            return 0
+        return sum(1 for job in head.running.values() if job.model == d.name)
+
+    # ------------------------------------------------------------ planning and starting
+
+    def _plan(self, d: Deployment, give_back: Plan | None = None) -> Planned | None:
+        """A plan for ``d`` over the workers there are, counting the memory ``give_back``
+        (a plan ``d`` serves or served) holds as free."""
         nodes = self._nodes(d)
         if nodes is None:
             return None
+        if give_back is not None:
+            nodes = reclaimed(nodes, give_back)
         try:
             info = inspect_cached(self.resolve(d.spec.source))
         except Exception as exc:  # the file went away or broke: say so, keep the deployment
@@ -353,7 +459,8 @@ class Deployments:
         return nodes
 
     def _start(self, d: Deployment) -> None:
-        planned = self._plan(d)
+        planned = self._plan(d, d.give_back)
+        d.give_back = None  # for the first attempt after a rebalance only
         if planned is None:
             return
         result = planned.result
@@ -409,6 +516,7 @@ class Deployments:
             self._kv_per_layer.get(d.name, 0),
             self._n_layers.get(d.name),
             self.tunnels.traffic(d.name),
+            self.tunnels.links(d.name),
         )
 
     def status(self) -> list[dict[str, Any]]:

@@ -5,14 +5,17 @@ persisted; ``Deployment`` adds the live state, which the controller rebuilds aft
 restart. The lifecycle::
 
     PENDING ──a plan fits──▶ STARTING ──stages ready, then the head──▶ SERVING
-       ▲                        │                                        │
+       ▲                        │                                        │  │
        └──────── redeploy ◀── DEGRADED ◀──── a shard failed or its worker left
+       ▲                                                                    │
+       └── answers in flight done: switch ◀── DRAINING ◀── a better plan ──┘
     any ──undeploy──▶ (gone)
 
 ``ALLOWED`` is that diagram as a table (``shoal.lifecycle``); any other move raises
 ``IllegalTransition``. PENDING waits for workers (with the reason, e.g. the memory
 shortfall); DEGRADED answers requests with 503 + ``Retry-After`` until the redeploy is SERVING
-again.
+again. DRAINING (a rebalance: ``rebalance``) takes no new request (503 + ``Retry-After``) and
+lets the head finish the answers it runs; then its shards stop and it is planned again.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class DeploymentState(enum.StrEnum):
     STARTING = "starting"
     SERVING = "serving"
     DEGRADED = "degraded"
+    DRAINING = "draining"
 
 
 ALLOWED = Transitions(
@@ -49,7 +53,16 @@ ALLOWED = Transitions(
             DeploymentState.DEGRADED,
             DeploymentState.PENDING,
         },
-        DeploymentState.SERVING: {DeploymentState.DEGRADED, DeploymentState.PENDING},
+        DeploymentState.SERVING: {
+            DeploymentState.DEGRADED,
+            DeploymentState.PENDING,
+            DeploymentState.DRAINING,
+        },
+        DeploymentState.DRAINING: {
+            DeploymentState.PENDING,
+            DeploymentState.DEGRADED,
+            DeploymentState.DRAINING,
+        },
         DeploymentState.DEGRADED: {
             DeploymentState.STARTING,
             DeploymentState.PENDING,
@@ -73,6 +86,18 @@ class TunnelBytes:
 
     def __sub__(self, other: TunnelBytes) -> TunnelBytes:
         return TunnelBytes(self.to_stages - other.to_stages, self.to_head - other.to_head)
+
+
+@dataclass(frozen=True, slots=True)
+class StageLink:
+    """One stage's tunnel as the router's hub sees it (relayed mode): the bytes it carried
+    and how long the stage took to answer the head's requests."""
+
+    carried: TunnelBytes
+    turnarounds_ns: tuple[int, ...]
+    """The last request->reply turnarounds (``tunnel.relay.Traffic``), oldest first."""
+    connections: int
+    """The head's connections to the stage open now."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +163,14 @@ class Deployment:
     """When the current attempt started (monotonic)."""
     tunnel_at_start: TunnelBytes = field(default_factory=TunnelBytes)
     last_deploy: DeployCost | None = None
+    rebalance_at: float = 0.0
+    """When a worker that joined is judged for a rebalance (the end of the quiet period after
+    the last join; monotonic; 0: none due)."""
+    drain_until: float = 0.0
+    """DRAINING: when it switches even with answers still running (monotonic)."""
+    give_back: Plan | None = None
+    """The plan a rebalance left: the next plan counts the memory it held as free again (its
+    workers may still report it used for a moment)."""
 
     @property
     def name(self) -> str:

@@ -51,7 +51,10 @@ def shard_nodes(workers: list[WorkerConnection]) -> list[Node]:
 def node_of(w: WorkerConnection) -> Node:
     gpus = tuple(Gpu(d.name, d.free_bytes) for d in w.shard_devices)
     shared = sum(d.free_bytes for d in w.shard_devices if d.unified_memory)
-    return Node(id=w.id, free_bytes=max(0, w.ram_available_bytes - shared), gpus=gpus)
+    ram = w.ram_available_bytes
+    if w.shard_ram_bytes is not None:  # the worker offers split models no more (--shard-ram)
+        ram = min(ram, w.shard_ram_bytes)
+    return Node(id=w.id, free_bytes=max(0, ram - shared), gpus=gpus)
 
 
 def planning_nodes(registry: Registry, wanted: list[str] | None) -> list[Node]:

@@ -21,7 +21,7 @@ from typing import Protocol
 
 from shoal.protocol.ids import ModelName, WorkerId
 from shoal.protocol.messages import RpcPeer, ShardRole, ShardStart, ShardStop
-from shoal.router.deployments.deployment import Deployment, ShardView, TunnelBytes
+from shoal.router.deployments.deployment import Deployment, ShardView, StageLink, TunnelBytes
 from shoal.router.deployments.launch import Holder, head_launch, holders, stage_devices
 from shoal.router.deployments.placement import Plan
 from shoal.router.dispatch.workers import Registry, WorkerConnection
@@ -40,6 +40,10 @@ class Tunnels(Protocol):
 
     def traffic(self, deployment: str) -> TunnelBytes:
         """What the deployment's tunnels carried so far, closed ones included."""
+        ...
+
+    def links(self, deployment: str) -> dict[str, StageLink]:
+        """Each stage's open tunnel of the deployment, by the stage's worker id."""
         ...
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from shoal.protocol.ids import WorkerId
 from shoal.protocol.messages import RpcPeer, TunnelDial
-from shoal.router.deployments.deployment import TunnelBytes
+from shoal.router.deployments.deployment import StageLink, TunnelBytes
 from shoal.router.dispatch.workers import Registry, WorkerConnection
 from shoal.tunnel.handshake import StageWanted, TunnelId
 from shoal.tunnel.hub import StageUnavailable, TunnelHub
@@ -70,6 +70,18 @@ class RouterTunnels:
             if route.deployment == deployment:
                 total += self._carried(tunnel_id)
         return total
+
+    def links(self, deployment: str) -> dict[str, StageLink]:
+        out = {}
+        for tunnel_id, route in self._routes.items():
+            tunnel = self.hub.tunnel(tunnel_id)
+            if route.deployment == deployment and tunnel is not None:
+                out[str(route.stage)] = StageLink(
+                    carried=self._carried(tunnel_id),
+                    turnarounds_ns=tuple(tunnel.turnarounds),
+                    connections=tunnel.live_connections,
+                )
+        return out
 
     def _carried(self, tunnel_id: TunnelId) -> TunnelBytes:
         tunnel = self.hub.tunnel(tunnel_id)

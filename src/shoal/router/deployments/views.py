@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from shoal.protocol.ids import WorkerId
-from shoal.router.deployments.deployment import Deployment, ShardView, TunnelBytes
+from shoal.protocol.messages import ShardRole
+from shoal.router.deployments.deployment import Deployment, ShardView, StageLink, TunnelBytes
 from shoal.router.deployments.launch import head_launch, holders, placed_layers
 from shoal.router.deployments.placement import DeviceShare, Held, Plan
 from shoal.router.dispatch.workers import Registry
@@ -18,8 +21,10 @@ def deployment_view(
     kv_per_layer: int,
     n_layers: int | None,
     tunnel: TunnelBytes,
+    links: Mapping[str, StageLink],
 ) -> dict[str, Any]:
-    """A deployment as ``/api/v1/pipeline/status`` shows it (and its holder publishes it)."""
+    """A deployment as ``/api/v1/pipeline/status`` shows it (and its holder publishes it).
+    ``links``: each stage's tunnel, by worker id (relayed mode)."""
     launch = head_launch(d.plan) if d.plan else None
     names = {str(i): name for i, name in registry.names().items()}
     return {
@@ -38,7 +43,9 @@ def deployment_view(
         "devices": list(launch.devices) if launch else None,
         "layout": d.plan.layout(names) if d.plan else [],
         "shards": [
-            _shard_view(s, registry, kv_per_layer, d.plan, i) for i, s in enumerate(d.shards)
+            _shard_view(s, registry, kv_per_layer, d.plan, i)
+            | {"link": link_json(s, d.spec.mode, links.get(s.worker_id))}
+            for i, s in enumerate(d.shards)
         ],
         "tunnel_bytes": _bytes(tunnel),
         "last_deploy": (
@@ -51,6 +58,41 @@ def deployment_view(
 
 def _bytes(t: TunnelBytes) -> dict[str, int]:
     return {"to_stages": t.to_stages, "to_head": t.to_head}
+
+
+RTT_MEASURES = (
+    "the router's tunnel hub: from a request of the head reaching the router to the first "
+    "byte of the stage's reply (router-stage round trip plus the stage's work on it)"
+)
+
+
+def link_json(s: ShardView, mode: str, link: StageLink | None) -> dict[str, Any] | None:
+    """A stage's link to the head: the bytes its tunnel carried both ways and the RPC
+    request->reply turnaround in ms (median and 90th percentile of the last ones). None for
+    the head; in direct mode nothing passes the router, so nothing is measured."""
+    if s.role is ShardRole.HEAD:
+        return None
+    if mode == "direct":
+        return {"measured": False, "why": "direct mode: the head dials the stage itself"}
+    if link is None:
+        return {"measured": False, "why": "no tunnel open to this stage"}
+    ms = sorted(t / 1e6 for t in link.turnarounds_ns)
+    return {
+        "measured": True,
+        "connections": link.connections,
+        "bytes_to_stage": link.carried.to_stages,
+        "bytes_to_head": link.carried.to_head,
+        "rtt_ms": (
+            {
+                "median": round(statistics.median(ms), 3),
+                "p90": round(ms[min(len(ms) - 1, int(len(ms) * 0.9))], 3),
+                "samples": len(ms),
+            }
+            if ms
+            else None
+        ),
+        "rtt_measures": RTT_MEASURES,
+    }
 
 
 def held_json(h: Held) -> dict[str, Any]:

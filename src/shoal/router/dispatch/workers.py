@@ -83,6 +83,8 @@ class WorkerConnection:
     """The GPUs split models may use here, with their free memory (``Register``)."""
     no_shards: str | None = None
     """Why it cannot run parts of split models (None: it can)."""
+    shard_ram_bytes: int | None = None
+    """The most RAM split models may plan on here (``Register.shard_ram_bytes``)."""
     gpus_unused: str | None = None
     """Why its GPUs sit idle (``Register.gpus_unused``; None: they do not)."""
     draining: bool = False
@@ -120,6 +122,7 @@ class WorkerConnection:
             stage_memory_bytes=msg.stage_memory_bytes,
             shard_devices=msg.shard_devices,
             no_shards=msg.no_shards,
+            shard_ram_bytes=msg.shard_ram_bytes,
             gpus_unused=msg.gpus_unused,
         )
         if msg.gpus_unused:

@@ -454,6 +454,12 @@ def test_layer_map_shows_a_real_deployment(
         assert colours[0] != colours[-1]
         legend = card.text_content() or ""
         assert "layers 0–14" in legend and "layers 15–29" in legend and "serving" in legend
+        # The stage's link as the router's tunnel hub measured it (the head loaded through it).
+        stage = card.query_selector(f'.shard-legend li[data-worker="{w2["id"]}"] .link')
+        assert stage is not None
+        link = stage.text_content() or ""
+        assert link.startswith("RPC ") and " ms " in link and "to stage" in link, link
+        assert card.query_selector(f'.shard-legend li[data-worker="{w1["id"]}"] .link') is None
     finally:
         http_calls.post(
             router.url + DEPLOYMENTS_UNDEPLOY, json={"name": "dash-split"}, headers=router.headers

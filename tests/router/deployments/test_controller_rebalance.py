@@ -11,8 +11,15 @@ from pathlib import Path
 import pytest
 from deployment_rig import FakeTunnels, connect, router_pin, sent, specs, status
 
-from shoal.protocol.ids import JobId, ModelName
-from shoal.protocol.messages import Endpoint, ShardRole, ShardStart, ShardState, ShardStop
+from shoal.protocol.ids import JobId, ModelName, WorkerId
+from shoal.protocol.messages import (
+    BackendState,
+    Endpoint,
+    ShardRole,
+    ShardStart,
+    ShardState,
+    ShardStop,
+)
 from shoal.router.deployments.controller import Deployments
 from shoal.router.deployments.deployment import (
     DeploymentSpec,
@@ -42,7 +49,7 @@ async def serving(
     spec = DeploymentSpec("split", str(model_path), 1024, Strategy.PROPORTIONAL, None, "relayed")
     await controller.deploy(spec)
     d = controller.items["split"]
-    workers = [registry.get(s.worker_id) for s in d.shards]  # type: ignore[arg-type]  # (ids)
+    workers = [registry.get(WorkerId(s.worker_id)) for s in d.shards]
     for w, s in zip(workers, d.shards, strict=True):
         assert w is not None
         if s.role is ShardRole.STAGE:
@@ -90,7 +97,7 @@ async def test_a_worker_that_makes_the_plan_better_drains_then_switches(
     stop, start = sent(b)  # b's shard stops, its new one starts
     assert stop == ShardStop(deployment="split") and isinstance(start, ShardStart)
     assert d.state is DeploymentState.STARTING  # planned again at once, over three workers
-    assert [s.worker_id for s in d.shards] == ["a", "b", "c"]
+    assert [s.worker_id for s in d.shards] == ["a", "b", "c"], (d.state, d.detail)
     assert [s.first_layer for s in d.shards] == [0, 4, 8]
     assert all(isinstance(m, ShardStart) for m in sent(c))
 
@@ -105,7 +112,7 @@ async def test_a_worker_that_would_not_improve_the_plan_changes_nothing(
     d = controller.items["split"]
     c = connect(registry, "c", 4096 * MIB)
     controller.on_registered(c)
-    with caplog.at_level(logging.DEBUG, "shoal.router.deployments.controller"):
+    with caplog.at_level(logging.DEBUG, "shoal.router.deployments.moves"):
         controller._reconcile(d, time.monotonic())
     assert d.state is DeploymentState.SERVING and d.rebalance_at == 0.0
     assert "would not improve its plan" in caplog.text
@@ -162,3 +169,22 @@ async def test_status_shows_each_stages_link(model_path: Path, tmp_path: Path) -
     assert (link["bytes_to_stage"], link["bytes_to_head"]) == (1000, 200)
     assert link["rtt_ms"] == {"median": 2.0, "p90": 3.0, "samples": 3}
     assert "tunnel hub" in link["rtt_measures"]
+
+
+async def test_a_worker_that_registers_loading_joins_once_it_is_ready(
+    model_path: Path, tmp_path: Path
+) -> None:
+    registry = Registry()
+    for n in "ab":
+        connect(registry, n, 200 * MIB)
+    controller = await serving(model_path, registry, tmp_path)
+    d = controller.items["split"]
+    c = connect(registry, "c", 1000 * MIB)
+    c.set_backend_state(BackendState.LOADING, "loading its model", None)
+    controller.on_registered(c)
+    controller._reconcile(d, time.monotonic())
+    assert d.state is DeploymentState.SERVING and d.rebalance_at == 0.0  # not planned over yet
+    c.set_backend_state(BackendState.READY, "", None)  # the registry tells the controller
+    assert d.rebalance_at > 0.0
+    controller._reconcile(d, time.monotonic())
+    assert [s.worker_id for s in d.shards] == ["a", "b", "c"], (d.state, d.detail)

@@ -18,9 +18,11 @@ paths they were first published under, ``/api/v1/pipeline/...``.
 Pure (data in, decision out; no I/O, no router state): ``placement`` (the layer planner;
 its search in ``placement_search``), ``profile`` (a GGUF → the planner's profile),
 ``launch`` (a plan → the head's ``--device``/``--tensor-split``/``-ngl`` and each stage's
-``-d``, and placed layers read back), ``deployment`` (what was asked, and the state machine).
+``-d``, and placed layers read back), ``deployment`` (what was asked, and the state machine),
+``rebalance`` (whether a new plan is worth moving a serving deployment).
 The rest runs in the router, which owns the workers' connections: ``controller`` (the loop
-that deploys and heals), ``shards`` (what starts and stops a deployment's shards on the
+that deploys and heals), ``moves`` (when a serving deployment moves to a better plan: the
+joins, the judgement, the answers to finish first), ``shards`` (what starts and stops a deployment's shards on the
 workers, in order), ``nodes`` (which workers a plan is made over), ``store`` (the
 deployments in the router's database), ``leases`` + ``sharing`` (which router runs each
 deployment when several share Redis), ``tunnels`` (the RPC tunnel hub, told about

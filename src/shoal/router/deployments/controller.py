@@ -18,7 +18,7 @@ reconciles every deployment:
 * A worker that joins while a deployment serves (one it may be planned over): after
   ``rebalance_quiet_s`` without another join, the deployment is planned again over the
   workers there are, with the memory it holds given back (``rebalance.reclaimed``), and
-  ``rebalance.better`` judges the new plan against the serving one. A better plan: DRAINING
+  ``rebalance.better`` judges the new plan against the serving one (``moves``). A better plan: DRAINING
   (no new request; the head finishes the answers it runs, at most ``DRAIN_TIMEOUT_S``), then
   every shard stops and it is planned and started again (PENDING). Not better: nothing
   happens (logged at DEBUG). ``POST …/rebalance`` drains and switches the same way whenever
@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shoal.models.gguf_info import inspect_cached
-from shoal.protocol.ids import ModelName, WorkerId
+from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import (
     ModelFile,
     ShardRole,
@@ -66,10 +66,11 @@ from shoal.router.deployments.deployment import (
 )
 from shoal.router.deployments.launch import too_many_devices
 from shoal.router.deployments.leases import DeploymentLeases
+from shoal.router.deployments.moves import Moves
 from shoal.router.deployments.nodes import deployment_nodes
 from shoal.router.deployments.placement import Node, NoFit, Plan
 from shoal.router.deployments.profile import Planned, plan_for
-from shoal.router.deployments.rebalance import better, quality, reclaimed
+from shoal.router.deployments.rebalance import layout, reclaimed
 from shoal.router.deployments.shards import (
     Shards,
     Tunnels,
@@ -134,7 +135,6 @@ class Deployments:
         self.tunnels = tunnels
         self.resolve = resolve
         self.pin = pin
-        self.rebalance_quiet_s = rebalance_quiet_s
         self.shards = Shards(registry, tunnels)
         self.sharing = Sharing(leases) if leases is not None else None
         self.items: dict[str, Deployment] = {}
@@ -143,6 +143,8 @@ class Deployments:
         self._kv_per_layer: dict[str, int] = {}  # for reading layer counts from placements
         self._n_layers: dict[str, int] = {}
         self._wake = asyncio.Event()
+        self.moves = Moves(registry, resolve, rebalance_quiet_s)
+        registry.listen(self._on_worker_changed)
 
     # ------------------------------------------------------------ API side
 
@@ -204,9 +206,7 @@ class Deployments:
             serving = d.plan if d.state is DeploymentState.SERVING else None
             planned = self._plan(d, serving)
             new = planned.result if planned is not None else None
-            if not isinstance(new, Plan) or (
-                d.plan is not None and _layout(d.plan) == _layout(new)
-            ):
+            if not isinstance(new, Plan) or (d.plan is not None and layout(d.plan) == layout(new)):
                 continue
             if serving is not None:
                 self._drain(d, "rebalance requested")
@@ -235,24 +235,24 @@ class Deployments:
 
     def on_registered(self, worker: WorkerConnection) -> None:
         """A worker joined: stop shards it may still run from before; plans may fit now, and
-        serving ones may be better with it (judged after the quiet period)."""
-        quiet_until = time.monotonic() + self.rebalance_quiet_s
+        serving ones may be better with it (judged after the quiet period, once it is ready)."""
         for d in self.items.values():
             if d.shard_of(worker.id) is None:
                 worker.send(ShardStop(deployment=d.name))
-                if d.state is DeploymentState.SERVING and d.spec.workers is None:
-                    d.rebalance_at = quiet_until  # a later join pushes it on
-                    log.debug(
-                        "deployment %s: worker %s joined; judging a rebalance in %g s",
-                        d.name,
-                        worker.id,
-                        self.rebalance_quiet_s,
-                    )
             elif d.state is not DeploymentState.PENDING:
                 self._degrade(d, f"worker {worker.id} reconnected")
+        self.moves.registered(worker, self.items.values())
         self.wake()
 
+    def _on_worker_changed(self, worker: WorkerConnection) -> None:
+        """A worker's state changed (``Registry.listen``): one that became ready may fit a
+        pending plan, or join a serving one."""
+        if worker.ready:
+            self.moves.became_ready(worker, self.items.values())
+            self.wake()
+
     def on_lost(self, worker: WorkerConnection) -> None:
+        self.moves.lost(worker)
         for d in self.items.values():
             if d.shard_of(worker.id) is not None and d.state is not DeploymentState.PENDING:
                 self._degrade(d, f"worker {worker.id} ({worker.name}) left")
@@ -373,7 +373,8 @@ class Deployments:
             d.rebalance_at = 0.0  # it is planned again anyway
         elif d.rebalance_at and now >= d.rebalance_at:
             d.rebalance_at = 0.0
-            self._judge(d)
+            if (why := self.moves.judge(d)) is not None:
+                self._drain(d, f"rebalancing: {why}")
         if d.state is DeploymentState.DRAINING and now >= d.retry_at:
             self._drain_step(d, now)
         if d.state in (DeploymentState.PENDING, DeploymentState.DEGRADED) and now >= d.retry_at:
@@ -381,37 +382,15 @@ class Deployments:
 
     # ------------------------------------------------------------ rebalancing
 
-    def _judge(self, d: Deployment) -> None:
-        """Workers joined while ``d`` serves: drain and switch if a plan now is better."""
-        assert d.plan is not None
-        nodes = deployment_nodes(self.registry, d.spec.workers)
-        if isinstance(nodes, str):
-            log.debug("deployment %s: no rebalance: %s", d.name, nodes)
-            return
-        nodes = reclaimed(nodes, d.plan)
-        try:
-            info = inspect_cached(self.resolve(d.spec.source))
-        except Exception as exc:  # unreadable now: it keeps serving; a redeploy would say why
-            log.debug("deployment %s: no rebalance: cannot read the model: %s", d.name, exc)
-            return
-        new = plan_for(info, nodes, d.spec.ctx, d.spec.strategy).result
-        why = None
-        if not isinstance(new, Plan) or _layout(new) != _layout(d.plan):
-            why = better(quality(d.plan, nodes), new, nodes)
-        if why is None:
-            log.debug("deployment %s: the workers that joined would not improve its plan", d.name)
-            return
-        self._drain(d, f"rebalancing: {why}")
-
     def _drain(self, d: Deployment, why: str) -> None:
         now = time.monotonic()
         d.move(DeploymentState.DRAINING, f"{why}; answers in flight finish first")
         d.drain_until = now + DRAIN_TIMEOUT_S
-        d.retry_at = now
+        d.retry_at = 0.0  # look at its answers at once
 
     def _drain_step(self, d: Deployment, now: float) -> None:
         """Switch once the head runs no answer of ``d`` (or the drain timed out)."""
-        running = self._in_flight(d)
+        running = self.moves.in_flight(d)
         if running and now < d.drain_until:
             d.retry_at = now + DRAIN_CHECK_S
             return
@@ -427,12 +406,6 @@ class Deployments:
         d.move(DeploymentState.PENDING, "rebalancing: answers in flight done, switching")
         d.attempts = 0
         d.retry_at = 0.0
-
-    def _in_flight(self, d: Deployment) -> int:
-        head = self.registry.get(WorkerId(d.head.worker_id)) if d.head is not None else None
-        if head is None:
-            return 0
-        return sum(1 for job in head.running.values() if job.model == d.name)
 
     # ------------------------------------------------------------ planning and starting
 
@@ -528,13 +501,6 @@ class Deployments:
 def _settings(spec: DeploymentSpec) -> DeploymentSpec:
     """What a deployment asks for, without when (as read back from the database)."""
     return dataclasses.replace(spec, created_at=0.0)
-
-
-def _layout(plan: Plan) -> tuple[tuple[str, str, int, int], ...]:
-    """Which device of which worker holds which layers: a rebalance redeploys when it changes."""
-    return tuple(
-        (s.node_id, d.device, d.first_layer, d.last_layer) for s in plan.shards for d in s.holders
-    )
 
 
 def _backoff(attempts: int) -> float:

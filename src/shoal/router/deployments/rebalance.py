@@ -82,6 +82,13 @@ def better(current: Quality, candidate: Plan | NoFit, nodes: Sequence[Node]) -> 
     return None
 
 
+def layout(plan: Plan) -> tuple[tuple[str, str, int, int], ...]:
+    """Which device of which worker holds which layers: a rebalance moves only when it changes."""
+    return tuple(
+        (s.node_id, d.device, d.first_layer, d.last_layer) for s in plan.shards for d in s.holders
+    )
+
+
 def reclaimed(nodes: Sequence[Node], serving: Plan) -> list[Node]:
     """``nodes`` with the memory ``serving`` holds on them given back, device by device, up
     to what the device offered when ``serving`` was planned (a shard's own memory shows as

@@ -288,14 +288,25 @@ class Registry:
     def __init__(self) -> None:
         self._workers: dict[WorkerId, WorkerConnection] = {}
         self._views: ModelViews[WorkerConnection] = ModelViews()
+        self._listeners: list[Callable[[WorkerConnection], None]] = []
+
+    def listen(self, listener: Callable[[WorkerConnection], None]) -> None:
+        """Tell ``listener`` when a worker's models, backend state or connection change
+        (after its model views are updated)."""
+        self._listeners.append(listener)
 
     def add(self, conn: WorkerConnection) -> None:
         old = self._workers.get(conn.id)
         if old is not None and old is not conn:
             self.remove(old)
         self._workers[conn.id] = conn
-        conn.watcher = self._views.put
+        conn.watcher = self._changed
         self._views.put(conn)
+
+    def _changed(self, conn: WorkerConnection) -> None:
+        self._views.put(conn)
+        for listener in self._listeners:
+            listener(conn)
 
     def remove(self, conn: WorkerConnection) -> None:
         if self._workers.get(conn.id) is conn:

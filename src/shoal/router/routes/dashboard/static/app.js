@@ -426,13 +426,24 @@ function shardDevices(s) {
   return held.length ? held.join(", ") : `layers ${s.layers[0]}–${s.layers[1]}`;
 }
 
+// A stage's link to the head, as the router's tunnel hub measured it
+// ("RPC 1.20 ms (p90 2.00) · 3.4 MiB to stage · 1.1 MiB back").
+function shardLink(s) {
+  const link = s.link;
+  if (!link) return null;
+  if (!link.measured) return el("span", { class: "link muted", title: link.why, text: "RPC not measured" });
+  const rtt = link.rtt_ms ? `RPC ${link.rtt_ms.median.toFixed(2)} ms (p90 ${link.rtt_ms.p90.toFixed(2)})` : "RPC –";
+  return el("span", { class: "link", title: `round trip: ${link.rtt_measures}`,
+    text: `${rtt} · ${formatBytes(link.bytes_to_stage)} to stage · ${formatBytes(link.bytes_to_head)} back` });
+}
+
 function deploymentCard(d) {
   const legend = d.shards.map((s) => {
     const swatch = el("span", { class: "swatch" });
     swatch.style.backgroundColor = workerColor(s.worker);
-    return el("li", {}, swatch, el("span", { class: "name", text: s.worker_name || s.worker }),
+    return el("li", { "data-worker": s.worker }, swatch, el("span", { class: "name", text: s.worker_name || s.worker }),
       el("span", { class: "muted", text: `${s.role} · ${shardDevices(s)} · ${formatBytes(s.planned_bytes)}` }),
-      statePill(s.state));
+      shardLink(s), statePill(s.state));
   });
   const head = el("header", { class: "card-head" }, el("h3", { class: "wrap", text: d.name }), statePill(d.state));
   const about = el("p", { class: "muted small", text: d.n_layers

@@ -24,8 +24,9 @@ RETRY_AFTER_QUEUE_FULL_S = 2.0
 RETRY_AFTER_NO_WORKER_S = 5.0
 
 UnavailableReason = Callable[[ModelName], str | None]
-"""Why a model no worker serves now is only away for a while (a deployment being redeployed):
-its requests get a 503 with ``Retry-After`` instead of a 404."""
+"""Why a model takes no request now and is only away for a while (a deployment being
+redeployed, or draining for a rebalance while its head still serves the answers it runs): its
+requests get a 503 with ``Retry-After`` instead of a 404 or a place in the queue."""
 
 
 def never_away(model: ModelName) -> str | None:
@@ -61,12 +62,12 @@ def check_served(
     away: UnavailableReason,
 ) -> None:
     """Raise the answer for a request no worker anywhere could take; return if one could."""
+    why = away(model)
+    if why:  # a deployment that is starting, degraded, or draining (its head still serves)
+        raise Unavailable(why, retry_after=RETRY_AFTER_NO_WORKER_S)
     view = registry.view(model)
     others = [r for r in remote if r.serves(model)]
     if view is None and not others:
-        why = away(model)
-        if why:  # a deployment that is starting or degraded
-            raise Unavailable(why, retry_after=RETRY_AFTER_NO_WORKER_S)
         available = sorted({*registry.model_names(), *(m.name for r in remote for m in r.models)})
         hint = (
             f"Available: {', '.join(available)}."

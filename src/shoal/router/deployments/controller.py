@@ -93,7 +93,8 @@ REBALANCE_QUIET_S = 5.0
 """The default quiet period after a worker joins before a rebalance is judged (several
 workers joining at once give one rebalance)."""
 DRAIN_TIMEOUT_S = 300.0
-"""A rebalance switches after this long even if answers are still running (they fail over)."""
+"""A rebalance switches after this long even if answers are still running (those end with
+the head: their clients get the error a lost worker gives)."""
 DRAIN_CHECK_S = 0.25
 """How often a draining deployment looks whether its head's answers have ended."""
 

@@ -24,10 +24,12 @@ from shoal.router.deployments.controller import Deployments
 from shoal.router.deployments.deployment import (
     DeploymentSpec,
     DeploymentState,
+    ShardView,
     StageLink,
     TunnelBytes,
 )
 from shoal.router.deployments.placement import Strategy
+from shoal.router.deployments.views import link_json
 from shoal.router.dispatch.job import Job
 from shoal.router.dispatch.workers import Registry, WorkerConnection
 
@@ -188,3 +190,17 @@ async def test_a_worker_that_registers_loading_joins_once_it_is_ready(
     assert d.rebalance_at > 0.0
     controller._reconcile(d, time.monotonic())
     assert [s.worker_id for s in d.shards] == ["a", "b", "c"], (d.state, d.detail)
+
+
+def test_a_link_says_why_it_is_not_measured() -> None:
+    stage = ShardView("b", ShardRole.STAGE, 15, 29, 0, 0)
+    assert link_json(stage, "direct", None) == {
+        "measured": False,
+        "why": "direct mode: the head dials the stage itself",
+    }
+    assert link_json(stage, "relayed", None) == {
+        "measured": False,
+        "why": "no tunnel open to this stage",
+    }
+    fresh = link_json(stage, "relayed", StageLink(TunnelBytes(), (), 1))
+    assert fresh is not None and fresh["rtt_ms"] is None  # nothing asked of it yet

@@ -32,3 +32,11 @@ def test_unified_memory_is_not_offered_twice() -> None:
     mac.shard_devices = (ShardDevice(name="MTL0", free_bytes=40 * GIB, unified_memory=True),)
     [node] = shard_nodes([mac])
     assert (node.free_bytes, node.gpus) == (8 * GIB, (Gpu("MTL0", 40 * GIB),))
+
+
+def test_shard_ram_caps_the_ram_a_worker_offers() -> None:
+    capped = worker_connection("s", ram_bytes=8 * GIB)
+    capped.shard_ram_bytes = 2 * GIB  # --shard-ram 2
+    roomy = worker_connection("r", ram_bytes=1 * GIB)
+    roomy.shard_ram_bytes = 2 * GIB  # a cap above what is free changes nothing
+    assert [n.free_bytes for n in shard_nodes([capped, roomy])] == [2 * GIB, 1 * GIB]

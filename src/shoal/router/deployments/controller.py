@@ -18,11 +18,11 @@ reconciles every deployment:
 * A worker that joins while a deployment serves (one it may be planned over): after
   ``rebalance_quiet_s`` without another join, the deployment is planned again over the
   workers there are, with the memory it holds given back (``rebalance.reclaimed``), and
-  ``rebalance.better`` judges the new plan against the serving one (``moves``). A better plan: DRAINING
-  (no new request; the head finishes the answers it runs, at most ``DRAIN_TIMEOUT_S``), then
-  every shard stops and it is planned and started again (PENDING). Not better: nothing
-  happens (logged at DEBUG). ``POST …/rebalance`` drains and switches the same way whenever
-  the plan would change.
+  ``rebalance.better`` judges the new plan against the serving one (``moves``). A better
+  plan: DRAINING (no new request; the head finishes the answers it runs, at most
+  ``DRAIN_TIMEOUT_S``), then every shard stops and it is planned and started again
+  (PENDING). Not better: nothing happens (logged at DEBUG). ``POST …/rebalance`` drains
+  and switches the same way whenever the plan would change.
 * A shard that fails, or a worker of the deployment that leaves: DEGRADED. Every shard is
   stopped and a redeploy is tried after a backoff (and at once when a worker joins).
   Requests for the model meanwhile get a 503 with ``Retry-After``.

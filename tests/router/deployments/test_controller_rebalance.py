@@ -204,3 +204,18 @@ def test_a_link_says_why_it_is_not_measured() -> None:
     }
     fresh = link_json(stage, "relayed", StageLink(TunnelBytes(), (), 1))
     assert fresh is not None and fresh["rtt_ms"] is None  # nothing asked of it yet
+
+
+async def test_a_shard_worker_that_is_not_ready_now_is_not_planned_away(
+    model_path: Path, tmp_path: Path
+) -> None:
+    """A worker of the plan whose own llama-server unloaded after idling is not "ready": a
+    plan without it would look better (nobody over budget), but it still holds its shard."""
+    registry = Registry()
+    _, b = (connect(registry, n, 200 * MIB) for n in "ab")
+    controller = await serving(model_path, registry, tmp_path)
+    d = controller.items["split"]
+    b.set_backend_state(BackendState.UNLOADED, "idle", None)
+    controller.on_registered(connect(registry, "c", 1000 * MIB))
+    controller._reconcile(d, time.monotonic())
+    assert d.state is DeploymentState.SERVING

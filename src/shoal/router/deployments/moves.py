@@ -73,6 +73,11 @@ class Moves:
         if isinstance(nodes, str):
             log.debug("deployment %s: no rebalance: %s", d.name, nodes)
             return None
+        there = {n.id for n in nodes}
+        if away := [s.node_id for s in d.plan.shards if s.node_id not in there]:
+            # e.g. its own llama-server unloaded after idling: a plan without it is no better
+            log.debug("deployment %s: no rebalance: %s not ready", d.name, ", ".join(away))
+            return None
         nodes = reclaimed(nodes, d.plan)
         try:
             info = inspect_cached(self.resolve(d.spec.source))

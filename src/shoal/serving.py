@@ -38,6 +38,20 @@ class TlsFiles:
     key: Path
 
 
+def tls_files(cert: Path | None, key: Path | None) -> TlsFiles | None:
+    """``--tls-cert`` and ``--tls-key`` as given: both (HTTPS), neither (plain HTTP), or a
+    ``TlsError`` saying which one is missing."""
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        given, missing = ("--tls-cert", "--tls-key") if key is None else ("--tls-key", "--tls-cert")
+        raise TlsError(
+            f"{given} needs {missing} too: give both (the PEM certificate and its private key) "
+            "to serve HTTPS, or neither for plain HTTP."
+        )
+    return TlsFiles(cert, key)
+
+
 _PEM_MARKERS = (("certificate", b"-----BEGIN CERTIFICATE-----"), ("key", b"PRIVATE KEY-----"))
 
 

@@ -161,6 +161,16 @@ class CommonSettings(BaseSettings):
         return value
 
 
+class TlsServerSettings(CommonSettings):
+    """A server that may serve HTTPS (the router, the model store): one pair of flags, one
+    meaning (``shoal.serving.tls_files`` reads them)."""
+
+    tls_cert: Path | None = Field(
+        None, description="TLS certificate (PEM) to serve HTTPS (and WSS); needs --tls-key."
+    )
+    tls_key: Path | None = Field(None, description="TLS private key (PEM) for --tls-cert.")
+
+
 S = TypeVar("S", bound=BaseSettings)
 
 

@@ -62,15 +62,14 @@ def router(args: argparse.Namespace) -> int:
 
 
 def data(args: argparse.Namespace) -> int:
-    from shoal.data.app import DataConfigError, build_app, serve
+    from shoal.data.app import DataConfigError, serve
     from shoal.data.settings import DataSettings
 
     settings = _settings(DataSettings, args)
     logs.setup(settings.log_level)
-    _warn_client_key("this model store", DataSettings, database=False)
+    _warn_client_key("this model store", DataSettings, database=settings.database_url is not None)
     try:
-        app = build_app(settings)
-        run(serve(settings, app=app))
+        run(serve(settings))
     except DataConfigError as exc:
         raise UserError(str(exc)) from None
     return 0

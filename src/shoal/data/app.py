@@ -1,17 +1,28 @@
-"""The model store's composition root: settings in, ASGI app and server out."""
+"""The model store's composition root: settings in, ASGI app and server out.
+
+HTTPS, and the answer to plain HTTP sent to it, are every Shoal server's (``shoal.serving``);
+keys are checked by the rule the router's embedded store follows too (``keys.StoreKeys``).
+"""
 
 from __future__ import annotations
 
 import logging
 import socket
+from typing import TYPE_CHECKING
 
+import anyio.to_thread
+import uvicorn
 from fastapi import FastAPI
 from starlette.types import ASGIApp
 
 from shoal import __version__, serving
 from shoal.data import errors, routes
+from shoal.data.keys import StoreKeys
 from shoal.data.settings import DataSettings
 from shoal.data.store import ModelStore
+
+if TYPE_CHECKING:
+    from shoal.keys.store import KeyStore
 
 log = logging.getLogger(__name__)
 
@@ -20,9 +31,34 @@ class DataConfigError(Exception):
     """The store must not start with these settings; the message says what to change."""
 
 
-def build_app(settings: DataSettings) -> FastAPI:
-    """The store's app; raises ``DataConfigError`` for an unsafe configuration."""
-    problem = settings.security_problem()
+def open_database(settings: DataSettings) -> KeyStore | None:
+    """The key database of ``--database-url`` (None without one); the caller closes it."""
+    if settings.database_url is None:
+        return None
+    from shoal.keys import KeyStoreError, open_store  # SQLAlchemy only when it is used
+
+    try:
+        return open_store(settings.database_url)
+    except KeyStoreError as exc:
+        raise DataConfigError(f"cannot open the key database: {exc}") from None
+
+
+def store_keys(settings: DataSettings, database: KeyStore | None) -> StoreKeys:
+    return StoreKeys(
+        read=settings.api_key,
+        admin=settings.admin_key,
+        database=database,
+        open_when_keyless=settings.on_loopback,
+    )
+
+
+def build_app(settings: DataSettings, database: KeyStore | None = None) -> FastAPI:
+    """The store's app; raises ``DataConfigError`` for an unsafe configuration.
+
+    ``database``: the key database (``open_database``), whose keys count beside the flags'.
+    """
+    keys = store_keys(settings, database)
+    problem = keys.startup_problem(settings.host)
     if problem:
         raise DataConfigError(problem)
     try:
@@ -41,13 +77,7 @@ def build_app(settings: DataSettings) -> FastAPI:
         redoc_url=None,
     )
     errors.install_all(app)
-    routes.install(
-        app,
-        store,
-        read_keys=settings.api_key,
-        admin_keys=settings.admin_key,
-        max_upload_bytes=settings.max_upload_bytes,
-    )
+    routes.install(app, store, access=keys, max_upload_bytes=settings.max_upload_bytes)
     return app
 
 
@@ -58,14 +88,13 @@ def bind(host: str, port: int) -> socket.socket:
         raise DataConfigError(str(exc)) from None
 
 
-def describe_security(settings: DataSettings) -> str:
-    reads = (
-        f"reads need one of {len(settings.api_key)} API key(s)"
-        if settings.api_key
-        else "reads open to anyone who can reach " + settings.host
-    )
-    writes = "uploads need an admin key" if settings.admin_key else "uploads disabled"
-    return f"{reads}; {writes}"
+def build_server(settings: DataSettings, app: ASGIApp) -> uvicorn.Server:
+    """uvicorn for ``app``: HTTPS with ``--tls-cert``/``--tls-key``, as the router serves."""
+    try:
+        tls = serving.tls_files(settings.tls_cert, settings.tls_key)
+        return serving.build_server(app, tls=tls)
+    except serving.TlsError as exc:
+        raise DataConfigError(str(exc)) from None
 
 
 async def serve(
@@ -73,17 +102,27 @@ async def serve(
 ) -> None:
     """Run the store until cancelled. Pass ``sock`` to serve an already bound socket.
 
-    ``app`` defaults to ``build_app(settings)``; pass one to serve a wrapped app.
+    ``app`` defaults to ``build_app(settings)`` over ``open_database(settings)`` (closed when
+    the store stops); pass one to serve a wrapped app (its database is the caller's).
     """
-    app = app or build_app(settings)
-    sock = sock or bind(settings.host, settings.port)
-    host, port = sock.getsockname()[:2]
-    log.info(
-        "model store %s on http://%s:%d serving %s (%s)",
-        __version__,
-        host,
-        port,
-        settings.storage,
-        describe_security(settings),
-    )
-    await serving.serve_on(serving.build_server(app), sock)
+    database = None
+    try:
+        if app is None:
+            database = open_database(settings)
+            app = build_app(settings, database)
+        server = build_server(settings, app)
+        sock = sock or bind(settings.host, settings.port)
+        host, port = sock.getsockname()[:2]
+        log.info(
+            "model store %s on %s://%s:%d serving %s (%s)",
+            __version__,
+            "https" if server.config.is_ssl else "http",
+            host,
+            port,
+            settings.storage,
+            await anyio.to_thread.run_sync(store_keys(settings, database).describe, settings.host),
+        )
+        await serving.serve_on(server, sock)
+    finally:
+        if database is not None:
+            database.close()

@@ -35,6 +35,13 @@ class Unauthorized(DataError):
     code = "invalid_api_key"
 
 
+class Forbidden(DataError):
+    """A working key of a scope that may not do this (an inference key uploading)."""
+
+    status = 403
+    code = "forbidden"
+
+
 class UploadsDisabled(DataError):
     status = 403
     code = "uploads_disabled"
@@ -55,6 +62,14 @@ class ModelChanged(DataError):
     code = "model_changed"
 
 
+class UploadConflict(DataError):
+    """A resumed upload's offset is not where the store's partial file ends, or another
+    upload of the same bytes is running."""
+
+    status = 409
+    code = "upload_offset_mismatch"
+
+
 class TooLarge(DataError):
     status = 413
     code = "upload_too_large"
@@ -63,6 +78,11 @@ class TooLarge(DataError):
 class RangeNotSatisfiable(DataError):
     status = 416
     code = "range_not_satisfiable"
+
+
+class KeysUnavailable(DataError):
+    status = 503
+    code = "key_database_unavailable"
 
 
 class UnreadableModel(DataError):

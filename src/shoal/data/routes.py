@@ -14,13 +14,13 @@ from typing import Any
 import anyio.to_thread
 import orjson
 from fastapi import APIRouter, FastAPI, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from shoal.data import errors
 from shoal.data.http_range import file_response
-from shoal.data.keys import StoreAccess, StoreKeys
+from shoal.data.keys import StoreAccess
 from shoal.data.settings import DEFAULT_MAX_UPLOAD_BYTES
 from shoal.data.store import ModelStore
 from shoal.models.byte_ranges import total_bytes
@@ -46,18 +46,14 @@ def install(
     app: FastAPI,
     store: ModelStore,
     *,
-    read_keys: tuple[SecretStr, ...] = (),
-    admin_keys: tuple[SecretStr, ...] = (),
-    access: StoreAccess | None = None,
+    access: StoreAccess,
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
 ) -> None:
-    """Serve ``store`` from ``app``: its routes, its keys, and its errors as JSON.
-
-    ``access`` replaces the static keys (the router passes its own key checks). Call it on
-    the FastAPI app itself, before any ASGI wrapper goes around it.
+    """Serve ``store`` from ``app``: its routes, its keys (``access``: a ``StoreKeys``), and
+    its errors as JSON. Call it on the FastAPI app itself, before any ASGI wrapper goes
+    around it.
     """
-    keys = access or StoreKeys(read_keys, admin_keys)
-    app.state.model_store = StoreContext(store, keys, max_upload_bytes)
+    app.state.model_store = StoreContext(store, access, max_upload_bytes)
     errors.install(app)
     app.include_router(router)
 

@@ -8,11 +8,10 @@ from typing import Annotated
 from pydantic import Field, field_validator
 
 from shoal.paths import default_data_dir
-from shoal.security import is_loopback, missing_keys
+from shoal.security import is_loopback
 from shoal.settings import (
-    CommonSettings,
     SecretList,
-    flag_and_variable,
+    TlsServerSettings,
     server_variable,
     split_commas,
 )
@@ -26,7 +25,7 @@ def default_storage_dir() -> Path:
     return default_data_dir() / "store"
 
 
-class DataSettings(CommonSettings):
+class DataSettings(TlsServerSettings):
     storage: Path = Field(
         default_factory=default_storage_dir,
         description="Folder of .gguf files the store serves (a model's id is its file name "
@@ -36,13 +35,21 @@ class DataSettings(CommonSettings):
     port: int = Field(8100, ge=0, le=65535, description="Port to listen on.")
     admin_key: SecretList = Field(
         (),
-        description="Comma-separated keys that may upload models (Authorization: Bearer). "
-        "Without one, uploads are disabled. Required when listening beyond loopback.",
+        description="Comma-separated keys that may upload models (Authorization: Bearer), "
+        "besides the key database's admin keys. Without any, uploads are disabled. Required "
+        "(here or in the key database) when listening beyond loopback.",
     )
     api_key: Annotated[SecretList, server_variable("data", "api_key")] = Field(
         (),
-        description="Comma-separated keys workers must present to list and download models. "
-        "Without one, reads are open. Required when listening beyond loopback.",
+        description="Comma-separated keys workers must present to list and download models, "
+        "besides the key database's (worker, inference and admin keys). Without any, reads "
+        "are open. Required (here or in the key database) when listening beyond loopback.",
+    )
+    database_url: str | None = Field(
+        None,
+        description="Also accept the keys of this key database (the router's --database-url: "
+        "postgresql://..., sqlite:///path): its worker and inference keys read, its admin keys "
+        "upload. Default: none, only --api-key and --admin-key.",
     )
     max_upload_bytes: int = Field(
         DEFAULT_MAX_UPLOAD_BYTES, gt=0, description="Largest model file an upload may send."
@@ -53,20 +60,3 @@ class DataSettings(CommonSettings):
     @property
     def on_loopback(self) -> bool:
         return is_loopback(self.host)
-
-    def security_problem(self) -> str | None:
-        """Why this configuration must not start, or None. Loopback may run open."""
-        missing = missing_keys(
-            self.host,
-            {
-                flag_and_variable(DataSettings, "api_key"): self.api_key,
-                flag_and_variable(DataSettings, "admin_key"): self.admin_key,
-            },
-        )
-        if not missing:
-            return None
-        return (
-            f"refusing to listen on {self.host} without {' and '.join(missing)}: anyone on the "
-            "network could download or replace this store's models. Set the key(s), or listen "
-            "on 127.0.0.1."
-        )

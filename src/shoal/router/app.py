@@ -24,12 +24,13 @@ from starlette.types import ASGIApp
 
 from shoal import __version__, serving
 from shoal.data import routes as data_routes
+from shoal.data.keys import StoreKeys
 from shoal.data.store import ModelStore
 from shoal.keys import KeyStore, KeyStoreError, Scope, open_store
 from shoal.models.resolve import resolve_model
 from shoal.router import errors
 from shoal.router.admission.accounting import Accounting
-from shoal.router.admission.auth import KeyCheck, StoreAccess, describe, startup_problem
+from shoal.router.admission.auth import KeyCheck, describe, startup_problem
 from shoal.router.admission.ratelimit.interface import RateLimiter
 from shoal.router.admission.ratelimit.memory import MemoryRateLimiter
 from shoal.router.admission.ratelimit.redis import RedisRateLimiter
@@ -179,7 +180,16 @@ def build_app(settings: RouterSettings, store: KeyStore | None = None) -> infere
             raise RouterConfigError(
                 f"cannot use {settings.storage} as the model store: {exc.strerror}"
             ) from None
-        data_routes.install(app, model_store, access=StoreAccess(keys))
+        data_routes.install(
+            app,
+            model_store,
+            access=StoreKeys(
+                read=keys.api_keys + keys.gpu_keys,
+                admin=keys.admin_keys,
+                database=keys.store,
+                open_when_keyless=keys.open_when_keyless,
+            ),
+        )
     return inference.FastPath(RequestMetrics(app, metrics), ctx)
 
 
@@ -334,16 +344,10 @@ def bind(host: str, port: int) -> socket.socket:
 
 def tls_files(settings: RouterSettings) -> serving.TlsFiles | None:
     """The certificate and key to serve HTTPS and WSS with; None for plain HTTP."""
-    cert, key = settings.tls_cert, settings.tls_key
-    if cert is None and key is None:
-        return None
-    if cert is None or key is None:
-        given, missing = ("--tls-cert", "--tls-key") if key is None else ("--tls-key", "--tls-cert")
-        raise RouterConfigError(
-            f"{given} needs {missing} too: give both (the PEM certificate and its private key) "
-            "to serve HTTPS, or neither for plain HTTP."
-        )
-    return serving.TlsFiles(cert, key)
+    try:
+        return serving.tls_files(settings.tls_cert, settings.tls_key)
+    except serving.TlsError as exc:
+        raise RouterConfigError(str(exc)) from None
 
 
 def build_server(settings: RouterSettings, app: ASGIApp) -> uvicorn.Server:

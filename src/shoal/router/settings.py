@@ -11,8 +11,8 @@ from shoal.models.default import DEFAULT_MODEL
 from shoal.security import is_loopback
 from shoal.settings import (
     KEEP_ALIVE_S,
-    CommonSettings,
     SecretList,
+    TlsServerSettings,
     server_variable,
     split_commas,
 )
@@ -21,7 +21,7 @@ ROUTER_API_KEY_VARIABLE = server_variable("router", "api_key")
 """``--api-key``'s variable: the router's own (a client's shell holds OPENAI_API_KEY)."""
 
 
-class RouterSettings(CommonSettings):
+class RouterSettings(TlsServerSettings):
     host: str = Field("127.0.0.1", description="Address to listen on (loopback by default).")
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
     api_key: Annotated[SecretList, ROUTER_API_KEY_VARIABLE] = Field(
@@ -141,10 +141,6 @@ class RouterSettings(CommonSettings):
     cache_max_entries: int = Field(
         1024, ge=1, description="Answers the in-memory result cache keeps (least recent go)."
     )
-    tls_cert: Path | None = Field(
-        None, description="TLS certificate (PEM) to serve HTTPS and WSS; needs --tls-key."
-    )
-    tls_key: Path | None = Field(None, description="TLS private key (PEM) for --tls-cert.")
     tunnel_port: int = Field(
         0,
         ge=0,

@@ -217,24 +217,6 @@ def _principal(record: KeyRecord) -> Principal:
     return Principal(record.id, record.name or record.prefix, record.limits, record.queueing)
 
 
-READER_SCOPES = (Scope.INFERENCE, Scope.ADMIN, Scope.WORKER)
-
-
-class StoreAccess:
-    """The embedded model store's access rules on the router's keys: clients and workers
-    read (list, download), admins upload."""
-
-    def __init__(self, keys: KeyCheck) -> None:
-        self.keys = keys
-
-    async def check_read(self, headers: Headers) -> None:
-        k = self.keys
-        await k._check(headers, READER_SCOPES, k.api_keys + k.gpu_keys + k.admin_keys, "API")
-
-    async def check_admin(self, headers: Headers) -> None:
-        await self.keys.admin(headers)
-
-
 def startup_problem(
     keys: KeyCheck, on_loopback: bool, host: str, client_key_set: bool = False
 ) -> str | None:

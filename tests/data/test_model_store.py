@@ -12,8 +12,9 @@ import pytest
 from fastapi import FastAPI
 from stores import TINY_ID, BodyBytes
 
-from shoal.data.app import DataConfigError, bind, build_app, serve
+from shoal.data.app import DataConfigError, bind, build_app, serve, store_keys
 from shoal.data.errors import ModelNotFound
+from shoal.data.keys import StoreKeys
 from shoal.data.routes import install
 from shoal.data.settings import DataSettings
 from shoal.data.store import ModelStore
@@ -71,17 +72,17 @@ def test_leftover_uploads_are_removed(storage: Path) -> None:
     assert not (storage / ".upload-x-123.part").exists()
 
 
-def test_security_problem(tmp_path: Path) -> None:
+def test_startup_problem(tmp_path: Path) -> None:
     base = {"storage": tmp_path, "api_key": "", "admin_key": ""}
-    assert DataSettings(**base).security_problem() is None  # loopback may run open
+    assert store_keys(DataSettings(**base), None).startup_problem("127.0.0.1") is None
     open_lan = DataSettings(**{**base, "host": "0.0.0.0"})
-    problem = open_lan.security_problem()
+    problem = store_keys(open_lan, None).startup_problem(open_lan.host)
     assert problem is not None
     assert "--api-key" in problem and "--admin-key" in problem
     with pytest.raises(DataConfigError, match="refusing to listen on 0.0.0.0"):
         build_app(open_lan)
     keyed = DataSettings(**{**base, "host": "0.0.0.0", "api_key": "a,b", "admin_key": "c"})
-    assert keyed.security_problem() is None
+    assert store_keys(keyed, None).startup_problem(keyed.host) is None
     assert len(keyed.api_key) == 2
 
 
@@ -100,7 +101,7 @@ async def test_routes_embed_into_another_app(storage: Path) -> None:
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    install(host_app, ModelStore(storage))
+    install(host_app, ModelStore(storage), access=StoreKeys())
     settings = DataSettings(storage=storage, api_key="", admin_key="")
     sock = bind("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"

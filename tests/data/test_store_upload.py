@@ -209,7 +209,7 @@ async def test_an_interrupted_upload_leaves_nothing(own_store: StoreServer) -> N
     )
     await stalled.wait()
     await _eventually(lambda: own_store.files() != before, "the upload's temp file")
-    assert [n for n in own_store.files() - before if n.startswith(".upload-cut-")]
+    assert [n for n in own_store.files() - before if n.startswith(".upload-")]
     request.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await request

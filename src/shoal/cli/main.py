@@ -10,6 +10,7 @@ from typing import cast
 
 from shoal import __version__
 from shoal.cli import commands
+from shoal.cli import data as data_cli
 from shoal.cli import keys as keys_cli
 from shoal.cli import models as models_cli
 from shoal.cli import service as service_cli
@@ -64,10 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     worker = add("worker", "Run a worker that dials out to a router.", commands.worker)
     add_settings_flags(worker, WorkerSettings)
     service_cli.add_commands(worker)
-    add_settings_flags(
-        add("data", "Run a model store that serves GGUF files to workers.", commands.data),
-        DataSettings,
+    data = add(
+        "data",
+        "Run a model store that serves GGUF files to workers (`shoal data upload FILE` puts "
+        "one into a store).",
+        commands.data,
     )
+    add_settings_flags(data, DataSettings)
+    data_cli.add_commands(data)
     doctor = add(
         "doctor",
         "Check this machine for `shoal worker` (same options): GPUs, driver, llama.cpp backend "

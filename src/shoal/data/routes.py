@@ -21,6 +21,7 @@ from starlette.responses import Response
 from shoal.data import errors
 from shoal.data.http_range import file_response
 from shoal.data.keys import StoreAccess
+from shoal.data.multipart import FormUpload, is_form
 from shoal.data.settings import DEFAULT_MAX_UPLOAD_BYTES
 from shoal.data.store import ModelStore
 from shoal.models.byte_ranges import total_bytes
@@ -182,27 +183,77 @@ async def _file(request: Request, model_id: str) -> Response:
 @router.post("/api/v1/storage/upload", status_code=201)
 async def upload(
     request: Request,
-    model_id: str = Query(alias="id", description="Id of the model (its file is ID.gguf)."),
-    sha256: str = Query(description="sha256 of the file, checked before it is kept."),
+    model_id: str | None = Query(
+        None,
+        alias="id",
+        description="Id of the model (its file is ID.gguf). A form may instead carry an 'id' "
+        "field, or name the file ID.gguf.",
+    ),
+    sha256: str | None = Query(
+        None,
+        description="sha256 of the whole file, checked before it is kept. Required for a raw "
+        "body; a form may carry it as a 'sha256' field instead (unchecked without one).",
+    ),
+    offset: int | None = Query(
+        None,
+        ge=0,
+        description="Resumable upload of a raw body: the body continues the store's partial "
+        "file of this sha256 from this byte (0: start over). GET /api/v1/storage/upload/SHA256 "
+        "says how many bytes it holds.",
+    ),
     overwrite: bool = Query(False, description="Replace a model with the same id."),
 ) -> Response:
-    """Store a GGUF file sent as the raw request body (not multipart)."""
+    """Store a GGUF file sent as the raw request body, or as a multipart form's ``file``."""
     ctx = _context(request)
     await ctx.keys.check_admin(request.headers)
+    content_type = request.headers.get("content-type")
     try:
-        model = await ctx.store.upload(
-            model_id,
-            sha256,
-            request.stream(),
-            overwrite=overwrite,
-            declared_size=_content_length(request),
-            max_bytes=ctx.max_upload_bytes,
-        )
+        if is_form(content_type):
+            assert content_type is not None
+            if offset is not None:
+                raise errors.BadRequest(
+                    "A form upload cannot resume; send a raw body with ?offset=.", param="offset"
+                )
+            model = await ctx.store.upload_form(
+                FormUpload(content_type, request.stream()),
+                model_id=model_id,
+                sha256=sha256,
+                overwrite=overwrite,
+                max_bytes=ctx.max_upload_bytes,
+            )
+        else:
+            if model_id is None or sha256 is None:
+                raise errors.BadRequest(
+                    "A raw upload needs ?id=ID&sha256=SHA256 (`sha256sum FILE`), or send a "
+                    "multipart form with a 'file' field.",
+                    param="id" if model_id is None else "sha256",
+                )
+            model = await ctx.store.upload(
+                model_id,
+                sha256,
+                request.stream(),
+                overwrite=overwrite,
+                declared_size=_content_length(request),
+                max_bytes=ctx.max_upload_bytes,
+                offset=offset,
+            )
     except ClientDisconnect:
-        log.info("upload of %s: the client disconnected; nothing was kept", model_id)
-        raise errors.BadRequest("The upload was interrupted; nothing was kept.") from None
+        log.info("upload of %s: the client disconnected", model_id or "a form")
+        raise errors.BadRequest(
+            "The upload was interrupted. A resumable upload (?offset=) keeps what arrived; "
+            "any other kept nothing."
+        ) from None
     digest = await anyio.to_thread.run_sync(ctx.store.sha256, model)
     return _json({"id": model.id, "size": model.size, "sha256": digest}, status=201)
+
+
+@router.get("/api/v1/storage/upload/{sha256}")
+async def upload_offset(request: Request, sha256: str) -> Response:
+    """How many bytes of the resumable upload of ``sha256`` the store holds: resume there."""
+    ctx = _context(request)
+    await ctx.keys.check_admin(request.headers)
+    held = await anyio.to_thread.run_sync(ctx.store.partial_upload, sha256)
+    return _json({"object": "upload", "sha256": sha256.lower(), "offset": held})
 
 
 def _content_length(request: Request) -> int | None:

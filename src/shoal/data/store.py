@@ -12,28 +12,42 @@ exception: it consumes a request body and does its own blocking work in threads.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import re
 import threading
-from collections.abc import AsyncIterable
+import time
+from collections.abc import AsyncIterable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio.to_thread
 
-from shoal.data.errors import BadRequest, ModelChanged, ModelExists, ModelNotFound, UnreadableModel
+from shoal.data.errors import (
+    BadRequest,
+    DataError,
+    ModelChanged,
+    ModelExists,
+    ModelNotFound,
+    UnreadableModel,
+    UploadConflict,
+)
 from shoal.data.http_range import OpenFile
 from shoal.data.pull_plan import layer_byte_ranges
 from shoal.data.settings import DEFAULT_MAX_UPLOAD_BYTES
-from shoal.data.upload import TEMP_PREFIX, TEMP_SUFFIX, Upload, too_large
+from shoal.data.upload import TEMP_PREFIX, TEMP_SUFFIX, Upload, partial_size, too_large
 from shoal.models.byte_ranges import ByteRange
 from shoal.models.errors import ModelError
 from shoal.models.gguf_info import GGUFInfo, inspect
 from shoal.models.store_client import RegistryEntry
 from shoal.pip_download import file_sha256
+
+if TYPE_CHECKING:
+    from shoal.data.multipart import FormUpload
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +55,9 @@ GGUF_SUFFIX = ".gguf"
 SIDECAR_SUFFIX = ".sha256"
 _MODEL_ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_PARTIAL = re.compile(rf"^{re.escape(TEMP_PREFIX)}[0-9a-f]{{64}}{re.escape(TEMP_SUFFIX)}$")
+PARTIAL_UPLOAD_TTL_S = 7 * 24 * 3600
+"""A resumable upload's bytes are kept this long after its last write (a restart keeps them)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +83,7 @@ class ModelStore:
         self._hashes: dict[Path, tuple[int, int, str]] = {}
         self._infos: dict[Path, tuple[int, int, GGUFInfo]] = {}
         self._hash_locks: dict[Path, threading.Lock] = {}
+        self._receiving: set[str] = set()  # sha256 of the resumable uploads running
 
     # Listing
 
@@ -235,18 +253,81 @@ class ModelStore:
         overwrite: bool = False,
         declared_size: int | None = None,
         max_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
+        offset: int | None = None,
     ) -> StoredModel:
-        """Receive a model file; it takes its name only once checked. Raises ``DataError``s."""
+        """Receive a model file sent as raw bytes; it takes its name only once checked.
+
+        ``offset`` makes it resumable (see ``upload.py``): the body continues the partial
+        file of ``sha256`` from that byte. Raises ``DataError``s.
+        """
         model_id, sha256 = _checked_id(model_id), _checked_sha256(sha256)
-        if declared_size is not None and declared_size > max_bytes:
-            raise too_large(declared_size, max_bytes)
+        if declared_size is not None and (offset or 0) + declared_size > max_bytes:
+            raise too_large((offset or 0) + declared_size, max_bytes)
         if not overwrite:
             self._refuse_existing(model_id)
-        upload = Upload(self.storage, model_id, sha256, max_bytes)
+        if offset is None:
+            upload = await anyio.to_thread.run_sync(Upload.one_shot, self.storage, max_bytes)
+            return await self._receive(upload, body, lambda: (model_id, sha256), overwrite)
+        with self._receiving_of(sha256):
+            upload = await anyio.to_thread.run_sync(
+                Upload.resume, self.storage, sha256, offset, max_bytes
+            )
+            return await self._receive(upload, body, lambda: (model_id, sha256), overwrite)
+
+    async def upload_form(
+        self,
+        form: FormUpload,
+        *,
+        model_id: str | None,
+        sha256: str | None,
+        overwrite: bool = False,
+        max_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
+    ) -> StoredModel:
+        """Receive a model file sent as the seed's multipart form (its ``file`` field).
+
+        The id is ``model_id``, else the form's ``id`` field, else the file name without
+        .gguf; the sha256 is ``sha256``, else the form's ``sha256`` field, checked when given.
+        """
+        upload = await anyio.to_thread.run_sync(Upload.one_shot, self.storage, max_bytes)
+
+        def naming() -> tuple[str, str | None]:
+            name = model_id or form.fields.get("id") or _stem(form.filename)
+            if not name:
+                raise BadRequest(
+                    "Name the model: ?id=ID, an 'id' form field, or a file name ending in .gguf.",
+                    param="id",
+                )
+            digest = sha256 or form.fields.get("sha256")
+            found = _checked_id(name), None if digest is None else _checked_sha256(digest)
+            if not overwrite:
+                self._refuse_existing(found[0])
+            return found
+
+        return await self._receive(upload, form.file_bytes(), naming, overwrite)
+
+    async def _receive(
+        self,
+        upload: Upload,
+        body: AsyncIterable[bytes],
+        naming: Callable[[], tuple[str, str | None]],
+        overwrite: bool,
+    ) -> StoredModel:
+        """Take the body, then check and name it (``naming``: the id and expected sha256,
+        known once the body is read for a form)."""
         try:
             await upload.receive(body)
-            info = await anyio.to_thread.run_sync(upload.verify)
-            model = await anyio.to_thread.run_sync(self._commit, upload, info, overwrite)
+        except DataError:
+            upload.discard()
+            raise
+        except BaseException:  # the client went away: a resumable upload may go on later
+            upload.release()
+            raise
+        try:
+            model_id, expected = naming()
+            digest, info = await anyio.to_thread.run_sync(upload.verify, expected)
+            model = await anyio.to_thread.run_sync(
+                self._commit, upload, model_id, digest, info, overwrite
+            )
         except BaseException:
             upload.discard()
             raise
@@ -255,9 +336,30 @@ class ModelStore:
             model.id,
             model.filename,
             model.size,
-            sha256,
+            digest,
         )
         return model
+
+    def partial_upload(self, sha256: str) -> int:
+        """How many bytes of the resumable upload of ``sha256`` the store holds."""
+        return partial_size(self.storage, _checked_sha256(sha256))
+
+    @contextlib.contextmanager
+    def _receiving_of(self, sha256: str) -> Iterator[None]:
+        """One resumable upload of a file at a time (two would write the same partial file)."""
+        with self._lock:
+            if sha256 in self._receiving:
+                raise UploadConflict(
+                    "Another upload of this file is running. Wait for it to end (or stop it), "
+                    "then resume from the offset GET /api/v1/storage/upload/SHA256 answers.",
+                    code="upload_in_progress",
+                )
+            self._receiving.add(sha256)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._receiving.discard(sha256)
 
     def _refuse_existing(self, model_id: str) -> None:
         existing = self._find(model_id)
@@ -271,18 +373,20 @@ class ModelStore:
     def _find(self, model_id: str) -> StoredModel | None:
         return next((m for m in self.models() if m.id == model_id), None)
 
-    def _commit(self, upload: Upload, info: GGUFInfo, overwrite: bool) -> StoredModel:
+    def _commit(
+        self, upload: Upload, model_id: str, digest: str, info: GGUFInfo, overwrite: bool
+    ) -> StoredModel:
         with self._commit_lock:  # check and rename as one step, so two uploads cannot both win
-            existing = self._find(upload.model_id)
+            existing = self._find(model_id)
             if existing is not None and not overwrite:
-                self._refuse_existing(upload.model_id)
-            target = existing.path if existing else self.storage / f"{upload.model_id}{GGUF_SUFFIX}"
+                self._refuse_existing(model_id)
+            target = existing.path if existing else self.storage / f"{model_id}{GGUF_SUFFIX}"
             os.replace(upload.path, target)
         st = target.stat()
-        model = StoredModel(upload.model_id, target, st.st_size, st.st_mtime_ns)
-        self._write_sidecar(model, upload.expected_sha256)
+        model = StoredModel(model_id, target, st.st_size, st.st_mtime_ns)
+        self._write_sidecar(model, digest)
         with self._lock:  # known already: neither hashed nor parsed again
-            self._hashes[target] = (model.size, model.mtime_ns, upload.expected_sha256)
+            self._hashes[target] = (model.size, model.mtime_ns, digest)
             self._infos[target] = (
                 model.size,
                 model.mtime_ns,
@@ -290,11 +394,24 @@ class ModelStore:
             )
         return model
 
-    def remove_partial_uploads(self) -> None:
-        """Delete temp files of uploads a previous run did not finish."""
+    def remove_partial_uploads(self, now: float | None = None) -> None:
+        """Delete temp files of one-shot uploads a previous run did not finish, and those of
+        resumable uploads untouched for ``PARTIAL_UPLOAD_TTL_S``."""
+        now = time.time() if now is None else now
         for path in self.storage.glob(f"{TEMP_PREFIX}*{TEMP_SUFFIX}"):
-            log.info("removing %s, left by an unfinished upload", path.name)
-            path.unlink(missing_ok=True)
+            resumable = _PARTIAL.match(path.name) is not None
+            with contextlib.suppress(FileNotFoundError):
+                if resumable and now - path.stat().st_mtime < PARTIAL_UPLOAD_TTL_S:
+                    continue
+                log.info("removing %s, left by an unfinished upload", path.name)
+                path.unlink()
+
+
+def _stem(filename: str | None) -> str | None:
+    if not filename:
+        return None
+    name = Path(filename).name
+    return name[: -len(GGUF_SUFFIX)] if name.lower().endswith(GGUF_SUFFIX) else None
 
 
 def _checked_id(model_id: str) -> str:

@@ -28,6 +28,7 @@ from stores import (
 
 from shoal.data.app import bind, build_app, serve
 from shoal.data.settings import DataSettings
+from shoal.keys import KeyStore
 
 
 @pytest.fixture(scope="session")
@@ -64,15 +65,21 @@ async def start_store() -> AsyncIterator[StartStore]:
     tasks: list[asyncio.Task[None]] = []
     clients: list[httpx.AsyncClient] = []
 
-    async def start(storage: Path, **overrides: Any) -> StoreServer:
+    async def start(
+        storage: Path, *, database: KeyStore | None = None, **overrides: Any
+    ) -> StoreServer:
+        """``database``: a key database whose keys count too. With ``tls_cert``/``tls_key``
+        in ``overrides`` it serves HTTPS; pass ``verify`` (the CA) for its client."""
+        verify = overrides.pop("verify", True)
         options: dict[str, Any] = {"api_key": "", "admin_key": ADMIN_KEY} | overrides
         settings = DataSettings(storage=storage, host="127.0.0.1", port=0, **options)
         sock = bind(settings.host, 0)
         port = sock.getsockname()[1]
-        body = BodyBytes(build_app(settings))
+        body = BodyBytes(build_app(settings, database))
         tasks.append(asyncio.create_task(serve(settings, sock, app=body)))
-        url = f"http://127.0.0.1:{port}"
-        client = httpx.AsyncClient(base_url=url, timeout=30)
+        scheme = "https" if settings.tls_cert else "http"
+        url = f"{scheme}://127.0.0.1:{port}"
+        client = httpx.AsyncClient(base_url=url, timeout=30, verify=verify)
         clients.append(client)
         return StoreServer(url, storage, settings, body, client)
 

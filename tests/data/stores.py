@@ -69,13 +69,25 @@ def link_or_copy(source: Path, dest: Path) -> None:
 
 
 class BodyBytes:
-    """ASGI wrapper counting the file bytes the store sends (``.../file`` response bodies)."""
+    """ASGI wrapper counting the file bytes the store sends (``.../file`` response bodies)
+    and those it receives (upload request bodies)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
         self.sent = 0
+        self.received = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/api/v1/storage/upload"):
+
+            async def receiving() -> Message:
+                message = await receive()
+                if message["type"] == "http.request":
+                    self.received += len(message.get("body", b""))
+                return message
+
+            await self.app(scope, receiving, send)
+            return
         if scope["type"] != "http" or not scope["path"].endswith("/file"):
             await self.app(scope, receive, send)
             return

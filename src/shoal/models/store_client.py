@@ -10,6 +10,9 @@ checked at the end and the file renamed into place.
 says which byte ranges those layers need, and they are written at their offsets into a sparse
 file of the model's full size (a file system without sparse files just uses the space).
 
+``mounted_copy`` finds a model in the store's folder mounted on this machine (NFS), so that
+nothing is downloaded.
+
 The wire types (``RegistryEntry``, ``PullPlan``) live here; the store builds its answers
 with them, so client and server cannot drift apart.
 """
@@ -94,6 +97,47 @@ async def fetch_from_store(
     _marker(part).unlink(missing_ok=True)
     logger.info("model %s saved as %s (sha256 verified)", entry.id, dest)
     return dest
+
+
+async def mounted_copy(
+    base_url: str,
+    model_id: str,
+    mount: Path,
+    *,
+    api_key: str | None = None,
+    tls: ssl.SSLContext | None = None,
+) -> Path | None:
+    """``model_id``'s file in ``mount``, the store's storage folder as this machine mounts it
+    (NFS, a bind mount: its path here need not be the store's), or None when it is not there
+    with the size the store gives (not mounted, or another version): then download it.
+
+    The store names the file (its registry's ``filename``); nothing is read from it here.
+    """
+    base = base_url.rstrip("/")
+    async with _session(api_key, tls) as session:
+        entry = await _registry_entry(session, base, model_id)
+    path = mount / Path(entry.filename).name
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        logger.warning(
+            "model %s: not in the mounted store folder %s (%s); downloading it instead",
+            entry.id,
+            mount,
+            exc.strerror,
+        )
+        return None
+    if size != entry.size:
+        logger.warning(
+            "model %s: %s has %d bytes, the store's file %d (another version); downloading it",
+            entry.id,
+            path,
+            size,
+            entry.size,
+        )
+        return None
+    logger.info("model %s: using %s from the mounted store folder (no download)", entry.id, path)
+    return path
 
 
 async def request_pull(

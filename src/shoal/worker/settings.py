@@ -167,6 +167,12 @@ class WorkerSettings(LlamaCppOptions):
         description="Fetch --model from this model store (shoal data, or a router with "
         "--storage) instead of the local cache; resumable. The GPU key is sent as the key.",
     )
+    model_store_mount: Path | None = Field(
+        None,
+        description="The --model-store's storage folder as this machine mounts it (NFS, a "
+        "bind mount; its path here may differ from the store's): models are read from there "
+        "instead of downloaded, when the file is there with the store's size.",
+    )
     model_alias: str | None = Field(
         None, description="Public model name clients use (default: the model id)."
     )

@@ -33,7 +33,12 @@ from shoal.models.hub import HubConfig
 from shoal.models.hub import download as hub_download
 from shoal.models.hub_ranges import HubFile, StageSlice, fetch_stage_slice
 from shoal.models.resolve import FitContext, LocalModel, resolve_model
-from shoal.models.store_client import fetch_from_store, fetch_ranges, request_pull
+from shoal.models.store_client import (
+    fetch_from_store,
+    fetch_ranges,
+    mounted_copy,
+    request_pull,
+)
 from shoal.paths import logs_dir, models_dir
 from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import AGENT_ENDPOINTS, Endpoint, ModelFile, ModelInfo, ShardStart
@@ -222,10 +227,23 @@ def local_model(settings: WorkerSettings, model: str, machine: MachineProfile) -
             fit=fit,
             hub=hub,
         )
+    mounted = _mounted(settings, model)
+    if mounted is not None:
+        return LocalModel(id=model.lower(), path=mounted)
     key, tls = _store_access(settings)
     dest = models_dir(settings.cache_dir) / "store"
     path = asyncio.run(fetch_from_store(settings.model_store, model, dest, api_key=key, tls=tls))
     return LocalModel(id=model.lower(), path=path)
+
+
+def _mounted(settings: WorkerSettings, model: str) -> Path | None:
+    """The store's file of ``model`` in ``--model-store-mount``, if it is there. Blocking."""
+    if settings.model_store is None or settings.model_store_mount is None:
+        return None
+    key, tls = _store_access(settings)
+    return asyncio.run(
+        mounted_copy(settings.model_store, model, settings.model_store_mount, api_key=key, tls=tls)
+    )
 
 
 def hub_config(settings: WorkerSettings) -> HubConfig:
@@ -307,6 +325,9 @@ def layer_slice(settings: WorkerSettings, model: str, first: int, last: int) -> 
     """
     if settings.model_store is None or model.lower().endswith(".gguf"):
         return None
+    mounted = _mounted(settings, model)
+    if mounted is not None:
+        return mounted  # the whole file is at hand: nothing to fetch
     key, tls = _store_access(settings)
     base = settings.model_store
 

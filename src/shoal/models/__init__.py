@@ -20,6 +20,7 @@ GGUF files
     ``gguf_report.py`` (``shoal models inspect``), ``stage_tensors.py`` (a split stage's
     tensors), ``byte_ranges.py``.
 The cache and the model store
-    ``local_cache.py`` (what this machine holds), ``store_client.py`` (``shoal data``).
+    ``local_cache.py`` (what this machine holds), ``store_client.py`` (fetching from ``shoal
+    data``, or finding its folder mounted here), ``store_upload.py`` (``shoal data upload``).
 ``errors.py``: ``ModelError`` and its kinds.
 """

@@ -8,26 +8,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field, SecretStr
 
 from shoal.cli import logs
 from shoal.cli.errors import UserError, settings_for
-from shoal.settings import CommonSettings, add_settings_flags
+from shoal.settings import CommonSettings, Variable, add_settings_flags
 
 Parser = argparse.ArgumentParser
 
 
 class UploadSettings(CommonSettings):
-    store: str = Field(
+    store: Annotated[str, Variable("SHOAL_MODEL_STORE")] = Field(
         "http://127.0.0.1:8100",
         description="The model store: `shoal data`'s URL (https:// when it serves TLS), or a "
         "router's with --storage.",
     )
-    key: SecretStr | None = Field(
+    key: Annotated[SecretStr | None, Variable("SHOAL_UPLOAD_KEY")] = Field(
         None, description="An admin key of the store (its --admin-key, or a key database's)."
     )
-    id: str | None = Field(
+    id: Annotated[str | None, Variable("SHOAL_UPLOAD_ID")] = Field(
         None, description="The model's id in the store (default: the file name without .gguf)."
     )
     overwrite: bool = Field(False, description="Replace a model of the same id.")

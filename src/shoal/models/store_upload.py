@@ -147,7 +147,7 @@ def _refused(base: str, status: int, body: bytes) -> str:
         message = body[:200].decode("utf-8", errors="replace") or "no details"
     hint = ""
     if status == 401:
-        hint = " Pass an admin key of the store with --key (or SHOAL_ADMIN_KEY)."
+        hint = " Pass an admin key of the store with --key (or SHOAL_UPLOAD_KEY)."
     elif status == 404:
         hint = " Is this a Shoal model store (`shoal data`, or a router with --storage)?"
     return f"the model store at {base} answered {status}: {message}{hint}"

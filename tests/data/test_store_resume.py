@@ -194,3 +194,38 @@ async def test_the_upload_client_resumes_and_checks_the_digest(
     assert again.resumed_from == 0
     with pytest.raises(ModelError, match="401.*--key"):
         await upload_to_store(own_store.url, model_path, model_id="x", api_key="sk-wrong")
+
+
+async def test_the_upload_client_waits_for_a_broken_try_to_let_go(
+    own_store: StoreServer, model_path: Path
+) -> None:
+    """A try whose connection broke may still hold the upload at the store for a moment: the
+    client's next try gets a 409 upload_in_progress, waits and goes on."""
+    data = model_path.read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    sent = asyncio.Event()
+
+    async def body() -> AsyncIterator[bytes]:
+        yield data[: FLUSH_BYTES * 2]
+        sent.set()
+        await asyncio.Event().wait()
+        yield b""
+
+    stalled = asyncio.create_task(
+        own_store.client.post(
+            UPLOAD, params={"id": "late", "sha256": sha, "offset": 0}, headers=ADMIN, content=body()
+        )
+    )
+    await sent.wait()
+    while _partial_bytes(own_store, sha) == 0:
+        await asyncio.sleep(0.02)
+    conflict = await own_store.client.post(
+        UPLOAD, params={"id": "late", "sha256": sha, "offset": 0}, headers=ADMIN, content=b"x"
+    )
+    assert conflict.status_code == 409
+    assert conflict.json()["error"]["code"] == "upload_in_progress"
+    asyncio.get_running_loop().call_later(0.5, stalled.cancel)
+    done = await upload_to_store(own_store.url, model_path, model_id="late", api_key=ADMIN_KEY)
+    assert done.sha256 == sha and done.resumed_from > 0
+    with contextlib.suppress(asyncio.CancelledError):
+        await stalled

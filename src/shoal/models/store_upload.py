@@ -34,6 +34,13 @@ CHUNK_BYTES = 1 << 20
 ATTEMPTS = 5
 """Tries of one upload (the first and the resumptions after a broken connection)."""
 RETRY_PAUSE_S = 2.0
+RESUMABLE_CONFLICTS = frozenset({"upload_in_progress", "upload_offset_mismatch"})
+"""409s that another try settles: the store still lets go of a broken connection's upload, or
+holds more bytes than it said a moment before."""
+
+
+class _Again(Exception):
+    """This try ended in a way the next one may not (a 409 of ``RESUMABLE_CONFLICTS``)."""
 
 
 @dataclass(frozen=True)
@@ -71,15 +78,13 @@ async def upload_to_store(
         for attempt in range(1, ATTEMPTS + 1):
             try:
                 return await _try(session, base, path, model_id, sha256, size, overwrite)
-            except (aiohttp.ClientError, TimeoutError) as exc:
+            except (aiohttp.ClientError, TimeoutError, _Again) as exc:
                 if attempt == ATTEMPTS:
                     raise ModelError(
-                        f"the upload to {base} broke off {ATTEMPTS} times (last: {exc!r}); run "
-                        "the same command again to continue where the store stopped."
+                        f"the upload to {base} did not finish in {ATTEMPTS} tries (last: {exc}); "
+                        "run the same command again to continue where the store stopped."
                     ) from None
-                log.warning(
-                    "upload of %s broke off (%r); resuming in %g s", model_id, exc, RETRY_PAUSE_S
-                )
+                log.warning("upload of %s: %s; trying again in %g s", model_id, exc, RETRY_PAUSE_S)
                 await asyncio.sleep(RETRY_PAUSE_S)
     raise AssertionError("unreachable: the loop returns or raises")
 
@@ -107,6 +112,8 @@ async def _try(
             base + UPLOAD_PATH, params=params, data=_body(path, offset, progress)
         ) as resp:
             body = await resp.read()
+            if resp.status == 409 and _code(body) in RESUMABLE_CONFLICTS:
+                raise _Again(_refused(base, resp.status, body))
             if resp.status != 201:
                 raise ModelError(_refused(base, resp.status, body))
     try:
@@ -153,6 +160,13 @@ def _refused(base: str, status: int, body: bytes) -> str:
     return f"the model store at {base} answered {status}: {message}{hint}"
 
 
+def _code(body: bytes) -> str | int | None:
+    try:
+        return _Error.model_validate_json(body).error.code
+    except ValidationError:
+        return None
+
+
 def _default_id(path: Path) -> str:
     name = path.name
     return name[:-5].lower() if name.lower().endswith(".gguf") else name.lower()
@@ -168,3 +182,11 @@ class _Stored(BaseModel):
 
 class _Offset(BaseModel):
     offset: int
+
+
+class _ErrorCode(BaseModel):
+    code: str | int | None = None
+
+
+class _Error(BaseModel):
+    error: _ErrorCode

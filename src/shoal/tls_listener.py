@@ -37,7 +37,10 @@ PEEK_BYTES = 1
 """The TLS record type, or the first letter of an HTTP method: enough to tell them apart."""
 MAX_PEERS_REMEMBERED = 4096
 TLS_HANDSHAKE_RECORD = 0x16
-USE_TLS = "use https:// (a worker: --router-url wss://HOST:PORT, or HOST:PORT with --tls-ca)"
+USE_TLS = (
+    "use https:// (a worker: --router-url wss://HOST:PORT, or HOST:PORT with --tls-ca; "
+    "--model-store https://HOST:PORT)"
+)
 
 Kind = Literal["tls", "http", "other"]
 ProtocolFactory = Callable[[], asyncio.Protocol]

@@ -197,3 +197,10 @@ def test_a_shard_asked_of_a_worker_that_cannot_run_one_fails_with_the_reason() -
     assert isinstance(status, ShardStatus)
     assert status.state is ShardState.FAILED and status.deployment == "split"
     assert "no GPU CUDA2" in status.detail
+
+
+def test_a_store_mount_needs_the_store(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="--model-store-mount is the folder of a"):
+        WorkerSettings(model_store_mount=tmp_path)
+    mounted = WorkerSettings(model_store="https://store.lan:8100", model_store_mount=tmp_path)
+    assert mounted.model_store_mount == tmp_path

@@ -343,6 +343,15 @@ class WorkerSettings(LlamaCppOptions):
         return value
 
     @model_validator(mode="after")
+    def _mount_of_a_store(self) -> WorkerSettings:
+        if self.model_store_mount is not None and self.model_store is None:
+            raise ValueError(
+                "--model-store-mount is the folder of a --model-store mounted here; give the "
+                "store too (--model-store URL), which says which file a model is"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _images_not_in_pull_mode(self) -> WorkerSettings:
         if self.redis_url is not None and (self.image_model or self.image_backend_url):
             raise ValueError(

@@ -53,6 +53,7 @@ EXPECTED_OPERATIONS = {
     "GET /api/v1/models/{model_id}/file",
     "HEAD /api/v1/models/{model_id}/file",
     "POST /api/v1/storage/upload",
+    "GET /api/v1/storage/upload/{sha256}",
 }
 ANSWERED = {"POST /v1/chat/completions", "POST /v1/completions", "GET /api/v1/models/registry"}
 """Operations that must have answered 200 at least once: the fuzzing reached the worker/store."""

@@ -76,7 +76,7 @@ async def start_store() -> AsyncIterator[StartStore]:
         sock = bind(settings.host, 0)
         port = sock.getsockname()[1]
         body = BodyBytes(build_app(settings, database))
-        tasks.append(asyncio.create_task(serve(settings, sock, app=body)))
+        tasks.append(asyncio.create_task(serve(settings, sock, app=body, database=database)))
         scheme = "https" if settings.tls_cert else "http"
         url = f"{scheme}://127.0.0.1:{port}"
         client = httpx.AsyncClient(base_url=url, timeout=30, verify=verify)

@@ -15,9 +15,11 @@ from stores import StartStore
 from certs import Certs, make_certs
 from shoal.data.keys import StoreKeys
 from shoal.keys import KeyStore, Scope
+from shoal.keys.watch import PgListener
 
 UPLOAD = "/api/v1/storage/upload"
 REGISTRY = "/api/v1/models/registry"
+NOTIFY_DEADLINE_S = 5.0
 
 
 def _bearer(secret: str) -> dict[str, str]:
@@ -30,11 +32,11 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
 
 
 async def test_keys_of_the_key_database(
+    stores: Callable[..., KeyStore],
+    sqlite_url: str,
     start_store: StartStore,
     storage: Path,
     tiny_gguf: Path,
-    stores: Callable[..., KeyStore],
-    sqlite_url: str,
 ) -> None:
     database = stores(sqlite_url)
     keys = {scope: database.create(scope, f"{scope} key")[1] for scope in Scope}
@@ -78,16 +80,42 @@ def _id_of(database: KeyStore, scope: Scope) -> str:
 
 
 async def test_flag_keys_and_database_keys_together(
-    start_store: StartStore,
-    shared_storage: Path,
     stores: Callable[..., KeyStore],
     sqlite_url: str,
+    start_store: StartStore,
+    shared_storage: Path,
 ) -> None:
     database = stores(sqlite_url)
     _, worker_key = database.create(Scope.WORKER)
     store = await start_store(shared_storage, database=database, api_key="sk-flag-read")
     for secret in ("sk-flag-read", worker_key):
         assert (await store.client.get(REGISTRY, headers=_bearer(secret))).status_code == 200
+
+
+async def test_a_revoke_elsewhere_reaches_the_store_at_once(
+    stores: Callable[..., KeyStore],
+    pg_url: str,
+    start_store: StartStore,
+    shared_storage: Path,
+) -> None:
+    """The store runs its key database's change watch as a router does: keys are cached, and a
+    revoke by another process (NOTIFY) drops them at once."""
+    database = stores(pg_url)
+    store = await start_store(shared_storage, database=database)
+    await asyncio.wait_for(database.wait_listening(), 10)
+    watch = database.watch
+    assert isinstance(watch, PgListener)
+    count = watch.notifications
+    key, secret = database.create(Scope.WORKER)
+    await asyncio.wait_for(watch.wait_notified(count + 1), NOTIFY_DEADLINE_S)
+    assert (await store.client.get(REGISTRY, headers=_bearer(secret))).status_code == 200
+    lookups = database.db_lookups
+    assert (await store.client.get(REGISTRY, headers=_bearer(secret))).status_code == 200
+    assert database.db_lookups == lookups  # from the cache
+    await asyncio.to_thread(stores(pg_url).revoke, key.id)  # another process's view
+    await asyncio.wait_for(watch.wait_notified(count + 2), NOTIFY_DEADLINE_S)
+    revoked = await store.client.get(REGISTRY, headers=_bearer(secret))
+    assert revoked.status_code == 401 and "revoked" in revoked.json()["error"]["message"]
 
 
 async def test_startup_problem_counts_the_key_database(

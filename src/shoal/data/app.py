@@ -6,6 +6,7 @@ keys are checked by the rule the router's embedded store follows too (``keys.Sto
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 from typing import TYPE_CHECKING
@@ -98,21 +99,28 @@ def build_server(settings: DataSettings, app: ASGIApp) -> uvicorn.Server:
 
 
 async def serve(
-    settings: DataSettings, sock: socket.socket | None = None, *, app: ASGIApp | None = None
+    settings: DataSettings,
+    sock: socket.socket | None = None,
+    *,
+    app: ASGIApp | None = None,
+    database: KeyStore | None = None,
 ) -> None:
     """Run the store until cancelled. Pass ``sock`` to serve an already bound socket.
 
     ``app`` defaults to ``build_app(settings)`` over ``open_database(settings)`` (closed when
-    the store stops); pass one to serve a wrapped app (its database is the caller's).
+    the store stops); pass one to serve a wrapped app, with the ``database`` it was built on
+    (the caller's to close). The database's change watch runs while the store serves, so its
+    key cache is trusted (PostgreSQL: a revoke elsewhere reaches it by NOTIFY).
     """
-    database = None
+    opened = None
     try:
         if app is None:
-            database = open_database(settings)
+            database = opened = open_database(settings)
             app = build_app(settings, database)
         server = build_server(settings, app)
         sock = sock or bind(settings.host, settings.port)
         host, port = sock.getsockname()[:2]
+        keys = store_keys(settings, database)
         log.info(
             "model store %s on %s://%s:%d serving %s (%s)",
             __version__,
@@ -120,9 +128,15 @@ async def serve(
             host,
             port,
             settings.storage,
-            await anyio.to_thread.run_sync(store_keys(settings, database).describe, settings.host),
+            await anyio.to_thread.run_sync(keys.describe, settings.host),
         )
-        await serving.serve_on(server, sock)
+        if database is None:
+            await serving.serve_on(server, sock)
+            return
+        async with asyncio.TaskGroup() as tasks:
+            watching = tasks.create_task(database.run(), name="keys-watch")
+            await serving.serve_on(server, sock)
+            watching.cancel()
     finally:
-        if database is not None:
-            database.close()
+        if opened is not None:
+            opened.close()

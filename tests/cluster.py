@@ -295,6 +295,10 @@ class Cluster:
             ]
         return self._proc("worker", [*argv, *args], env, wrap)
 
+    def data(self, *args: str) -> Proc:
+        """A `shoal data` model store, on this cluster's key database (as its routers are)."""
+        return self._proc("data", list(args), clean_env())
+
     def pull_worker(
         self,
         redis_url: str,

@@ -42,13 +42,9 @@ def _key(cluster: Cluster, scope: str) -> str:
 def _tls_store(cluster: Cluster, certs: Certs, storage: Path, *args: str) -> tuple[Proc, str]:
     """`shoal data` over HTTPS on the cluster's key database (SHOAL_DATABASE_URL)."""
     port = free_port()
-    proc = cluster._proc(
-        "data",
-        [
-            *("--storage", str(storage), "--port", str(port)),
-            *("--tls-cert", str(certs.cert), "--tls-key", str(certs.key), *args),
-        ],
-        clean_env(),
+    proc = cluster.data(
+        *("--storage", str(storage), "--port", str(port)),
+        *("--tls-cert", str(certs.cert), "--tls-key", str(certs.key), *args),
     )
     url = f"https://127.0.0.1:{port}"
     trusting = ssl.create_default_context(cafile=certs.ca)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from stores import ADMIN, ADMIN_KEY, StoreServer
 
+from shoal.data.store import PARTIAL_UPLOAD_TTL_S, ModelStore
 from shoal.data.upload import FLUSH_BYTES, partial_path
 from shoal.models.errors import ModelError
 from shoal.models.store_upload import upload_to_store
@@ -229,3 +232,15 @@ async def test_the_upload_client_waits_for_a_broken_try_to_let_go(
     assert done.sha256 == sha and done.resumed_from > 0
     with contextlib.suppress(asyncio.CancelledError):
         await stalled
+
+
+def test_start_up_keeps_recent_resumable_uploads_only(tmp_path: Path) -> None:
+    store = ModelStore(tmp_path)
+    recent, old = partial_path(tmp_path, "a" * 64), partial_path(tmp_path, "b" * 64)
+    one_shot = tmp_path / ".upload-k2j3h4.part"
+    for path in (recent, old, one_shot):
+        path.write_bytes(b"GGUF")
+    week_ago = time.time() - PARTIAL_UPLOAD_TTL_S - 60
+    os.utime(old, (week_ago, week_ago))
+    store.remove_partial_uploads()
+    assert recent.exists() and not old.exists() and not one_shot.exists()

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from shoal.protocol.messages import HeartbeatInterval, decode_router_message
 from shoal.router.dispatch.heartbeats import (
     MAX_DOUBLINGS,
     SHRINK_BELOW,
@@ -15,6 +16,9 @@ from shoal.router.dispatch.heartbeats import (
     idle_rate,
     needed_interval,
 )
+from shoal.router.dispatch.workers import WorkerConnection
+from shoal.router.settings import RouterSettings
+from socketless import memory_dispatcher, worker_connection
 
 
 @pytest.mark.parametrize(
@@ -84,3 +88,35 @@ def test_a_fleet_interval_never_breaks_the_budget_and_shrinks_with_margin(
     assert interval >= needed_interval(workers, 5.0, rate)
     if interval < current:
         assert idle_rate(workers, interval) <= rate * SHRINK_BELOW or interval == 5.0
+
+
+def told(worker: WorkerConnection) -> list[float]:
+    """The intervals the router told ``worker`` (its outbox, drained)."""
+    frames = []
+    while not worker.outbox.empty():
+        frames.append(decode_router_message(worker.outbox.get_nowait()))
+    return [f.seconds for f in frames if isinstance(f, HeartbeatInterval)]
+
+
+def test_a_growing_fleet_is_told_longer_intervals_and_a_shrinking_one_shorter() -> None:
+    settings = RouterSettings(heartbeat_interval=1.0, heartbeat_rate=2.0, stall_timeout=0)
+    dispatcher = memory_dispatcher(settings)
+    workers = [worker_connection(f"w{i}") for i in range(5)]
+    for w in workers:
+        w.heartbeat_interval = w.miss_interval = 1.0  # what ``Registered`` said
+    for w in workers[:2]:
+        dispatcher.workers.on_registered(w)
+    assert told(workers[0]) == told(workers[1]) == []  # 2 workers, 2 a second: the base
+    dispatcher.workers.on_registered(workers[2])
+    assert [told(w) for w in workers[:3]] == [[2.0]] * 3  # 3 a second: every 2 s
+    dispatcher.workers.on_registered(workers[3])
+    dispatcher.workers.on_registered(workers[4])
+    assert [told(w) for w in workers] == [[4.0]] * 3 + [[2.0, 4.0], [4.0]]
+    assert all(w.miss_interval == 4.0 for w in workers)
+    for w in workers[2:]:
+        dispatcher.workers.on_lost(w, "test")
+    # 3 left: 2 s; 2 left: 2 s still (2 / 0.75 heartbeats a second would break the budget)
+    assert [told(w) for w in workers[:2]] == [[2.0]] * 2
+    dispatcher.workers.on_lost(workers[1], "test")
+    assert told(workers[0]) == [1.0]  # alone: the base again
+    assert workers[0].miss_interval == 4.0  # until its next heartbeat (the 1 s is in flight)

@@ -86,7 +86,14 @@ def parse_register(frame: str, ctx: RouterContext) -> Register:
 
 @router.websocket(WS_PATH)
 async def worker_socket(ws: WebSocket) -> None:
-    ctx = context(ws)
+    """The documented route; the router serves it ahead of FastAPI (``serve_worker``)."""
+    await serve_worker(ws, context(ws))
+
+
+async def serve_worker(ws: WebSocket, ctx: RouterContext) -> None:
+    """One worker's connection: key, registration, then its frames until it ends. Called by
+    the composition root's ASGI fast path (``routes/inference.FastPath``) for ``WS_PATH``,
+    without FastAPI's routing, dependencies and middleware (a fleet registers thousands)."""
     await ws.accept()
     peer = _peer(ws)
     try:

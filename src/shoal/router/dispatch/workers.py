@@ -9,7 +9,6 @@ OPEN ──Register ok──▶ ACTIVE ──socket closed / heartbeat missed / 
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import logging
 import time
@@ -34,6 +33,7 @@ from shoal.protocol.messages import (
 from shoal.protocol.telemetry import GpuSample
 from shoal.router.dispatch.job import Job
 from shoal.router.dispatch.model_views import ModelView, ModelViews
+from shoal.router.dispatch.outbox import Outbox
 from shoal.router.dispatch.scheduler import WorkerLoad, contexts_of
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class WorkerConnection:
     cached: frozenset[int] = frozenset()
     """The prefix hashes its llama-server's slots hold (``CacheChanged``), with those of the
     jobs placed on it since (its report may not include them yet)."""
-    outbox: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
+    outbox: Outbox = field(default_factory=Outbox)
     on_hold: Callable[[], None] | None = None
     """Told when a job is placed on it: its watchdog (``routes/watchdog.py``) watches for a
     stall from then."""

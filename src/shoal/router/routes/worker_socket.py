@@ -219,8 +219,8 @@ async def _read(ws: WebSocket, worker: WorkerConnection, ctx: RouterContext) -> 
 async def _write(ws: WebSocket, worker: WorkerConnection) -> None:
     outbox = worker.outbox
     while True:
-        frame = await outbox.get()
-        await ws.send_text(frame)
+        for frame in await outbox.take():
+            await ws.send_text(frame)
 
 
 async def _watch(worker: WorkerConnection, ctx: RouterContext) -> None:

@@ -20,6 +20,7 @@ from cluster import Cluster, plain_llama_server, wait_until
 
 pytestmark = pytest.mark.e2e
 
+REDIS_URL = "redis://127.0.0.1:6379/0"
 IDLE = ("idle-1", "idle-2")
 BUSY = "busy"
 
@@ -35,10 +36,12 @@ def seen_ago(workers: list[dict[str, object]]) -> dict[str, float]:
     return {str(w["name"]): float(str(w["last_seen_s_ago"])) for w in workers}
 
 
+@pytest.mark.parametrize("queue", ["memory", "redis"])
 def test_idle_workers_slow_down_with_the_fleet_and_a_busy_one_beats_at_the_base(
-    cluster: Cluster, shared_llama: str
+    cluster: Cluster, shared_llama: str, queue: str, redis_prefix: str
 ) -> None:
-    router = cluster.router("--heartbeat-rate", "1", "--heartbeat-misses", "2")
+    shared = ["--redis-url", REDIS_URL, "--redis-prefix", redis_prefix] if queue == "redis" else []
+    router = cluster.router("--heartbeat-rate", "1", "--heartbeat-misses", "2", *shared)
     procs = {}
     for name in (*IDLE, BUSY):
         alias = BUSY if name == BUSY else "idle-model"

@@ -39,6 +39,7 @@ from shoal.protocol.messages import (
     ErrorBody,
     Hardware,
     Heartbeat,
+    HeartbeatInterval,
     JobFailed,
     JobStart,
     ModelInfo,
@@ -88,6 +89,8 @@ class StandIn:
         self.index = index
         self.url = url
         self.registered = asyncio.Event()
+        self.interval = 5.0
+        """The interval the router asked for (``Registered``, then ``HeartbeatInterval``)."""
         self.failures = 0
         """Dials or registrations that failed, and connections the router closed (each is
         dialed again after a pause, as a worker does)."""
@@ -113,20 +116,21 @@ class StandIn:
         if not isinstance(reply, Registered):
             raise websockets.InvalidMessage(f"stand-in {self.index}: the router said {reply.type}")
         self.registered.set()
+        self.interval = reply.heartbeat_interval_s
         async with ws, asyncio.TaskGroup() as tg:
-            beating = tg.create_task(self._heartbeat(ws, reply.heartbeat_interval_s))
+            beating = tg.create_task(self._heartbeat(ws))
             await self._read(ws)  # until the router closes it
             beating.cancel()
 
-    async def _heartbeat(self, ws: ClientConnection, interval: float) -> None:
-        await asyncio.sleep(random.uniform(0, interval))  # spread over the interval
+    async def _heartbeat(self, ws: ClientConnection) -> None:
+        await asyncio.sleep(random.uniform(0, self.interval))  # spread over the interval
         beat = encode(
             Heartbeat(state=BackendState.READY, running_jobs=0, ram_available_bytes=RAM_BYTES // 2)
         )
         with contextlib.suppress(websockets.ConnectionClosed):
             while True:
                 await ws.send(beat)
-                await asyncio.sleep(interval)
+                await asyncio.sleep(self.interval)  # a new one applies from the next beat
 
     async def _read(self, ws: ClientConnection) -> None:
         with contextlib.suppress(websockets.ConnectionClosed):
@@ -134,6 +138,8 @@ class StandIn:
                 msg = decode_router_message(frame)
                 if isinstance(msg, JobStart):
                     await ws.send(encode(_refuse(msg.job_id)))
+                elif isinstance(msg, HeartbeatInterval):
+                    self.interval = msg.seconds
 
 
 def _refuse(job_id: JobId) -> JobFailed:

@@ -8,6 +8,7 @@ from shoal.protocol.messages import (
     Chunk,
     Chunks,
     Endpoint,
+    HeartbeatInterval,
     JobDone,
     JobStart,
     ModelFile,
@@ -200,3 +201,12 @@ def test_a_shard_start_carries_the_pinned_file() -> None:
     assert decode_router_message(encode(unpinned)) == unpinned
     with pytest.raises(ValidationError):
         decode_router_message(encode(start).replace('"kind":"hub"', '"kind":"ftp"'))
+
+
+def test_a_heartbeat_interval_round_trips_and_must_be_positive() -> None:
+    pace = HeartbeatInterval(seconds=40.0)
+    assert decode_router_message(encode(pace)) == pace
+    with pytest.raises(ValidationError):
+        decode_router_message('{"type": "heartbeat_interval", "seconds": 0}')
+    with pytest.raises(ValidationError):
+        decode_router_message('{"type": "heartbeat_interval", "seconds": 5, "extra": 1}')

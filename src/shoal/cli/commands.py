@@ -55,7 +55,7 @@ def router(args: argparse.Namespace) -> int:
     except RouterConfigError as exc:
         raise UserError(str(exc)) from None
     try:
-        run(serve(settings))
+        run(serve(settings, own_process=True))
     except RouterConfigError as exc:
         raise UserError(str(exc)) from None
     return 0

@@ -34,8 +34,9 @@ from shoal.protocol.shards import (
 )
 from shoal.protocol.telemetry import GpuSample
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 """Bumped on any incompatible change; a router refuses workers that speak another version.
+14: ``HeartbeatInterval`` (the router paces an idle worker's heartbeats to its fleet's size).
 13: ``Register.shard_ram_bytes`` (the RAM a worker offers split models, ``--shard-ram``).
 12: ``Endpoint.RESPONSES``, ``MESSAGES`` and ``COUNT_TOKENS`` (OpenAI's Responses API and
 Anthropic's Messages API, carried to llama-server as the client sent them).
@@ -341,6 +342,15 @@ class Registered(Message):
     """What a worker started without ``--model`` should serve."""
 
 
+class HeartbeatInterval(Message):
+    """Beat every ``seconds`` while idle from now on (the router paces its fleet's heartbeats:
+    ``router/dispatch/heartbeats.py``); a worker running a job beats at ``Registered``'s
+    interval (the base) whatever this says."""
+
+    type: Literal["heartbeat_interval"] = "heartbeat_interval"
+    seconds: float = Field(gt=0)
+
+
 class RefusalCode(enum.StrEnum):
     BAD_KEY = "bad_key"
     PROTOCOL_VERSION = "protocol_version"
@@ -409,6 +419,7 @@ class ModelControl(Message):
 RouterMessage = Annotated[
     Registered
     | Refused
+    | HeartbeatInterval
     | JobStart
     | JobCancel
     | JobResume
@@ -523,6 +534,7 @@ __all__ = [
     "TEXT_ENDPOINTS",
     "Hardware",
     "Heartbeat",
+    "HeartbeatInterval",
     "JobCancel",
     "JobDone",
     "JobFailed",

@@ -180,6 +180,14 @@ class RouterSettings(TlsServerSettings):
     heartbeat_misses: int = Field(
         3, ge=1, description="Missed heartbeats after which a worker is dropped."
     )
+    heartbeat_rate: float = Field(
+        250.0,
+        gt=0,
+        description="Heartbeats per second this router accepts from idle workers: past "
+        "--heartbeat-rate x --heartbeat-interval workers, idle workers are told to beat at "
+        "twice the interval, four times... (a worker running a job beats at the base "
+        "interval, and each is dropped after --heartbeat-misses of its own interval).",
+    )
 
     _split_api = field_validator("api_key", "gpu_key", "admin_key", mode="before")(split_commas)
 

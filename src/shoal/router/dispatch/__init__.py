@@ -21,7 +21,9 @@
 * ``holder.py``, ``directory.py``: with Redis, the claims for this router's workers and the
   list of every router's workers.
 * ``workers.py``: the workers connected here (``WorkerConnection``, a state machine) and the
-  ``Registry`` of them; ``model_views.py``: what they add up to per model, kept as they
+  ``Registry`` of them; ``outbox.py``: the frames waiting for each one's writer;
+  ``model_views.py``: what they add up to per model, kept as they
   change; ``worker_names.py``: a worker named in the API → its id (pure); ``stall.py``: when
-  a silent worker is taken for frozen (pure).
+  a silent worker is taken for frozen (pure); ``heartbeats.py``: how often idle workers
+  heartbeat for the fleet's size (pure, ``--heartbeat-rate``).
 """

@@ -20,6 +20,7 @@ from shoal.router.dispatch import answers, places
 from shoal.router.dispatch.answers import UnavailableReason
 from shoal.router.dispatch.directory import RemoteWorker
 from shoal.router.dispatch.fair_queue import FairQueue, QueueFull, Tenant
+from shoal.router.dispatch.heartbeats import HeartbeatPace
 from shoal.router.dispatch.job import Job, JobState, Submission
 from shoal.router.dispatch.output import JobOutput
 from shoal.router.dispatch.running import PREEMPTED, Running
@@ -61,7 +62,8 @@ class MemoryDispatcher:
             preempt=settings.preempt and settings.scheduling == "fair",
         )
         self.queue_backend = "memory"
-        self.workers = WorkerSide(registry, self._running, self.pump)
+        pace = HeartbeatPace(settings.heartbeat_interval, settings.heartbeat_rate)
+        self.workers = WorkerSide(registry, self._running, self.pump, pace=pace)
 
     # ------------------------------------------------------------ cluster view
 

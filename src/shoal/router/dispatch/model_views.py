@@ -131,7 +131,10 @@ class ModelViews(Generic[W]):
         shares = shares_of(worker)
         self._shares[worker.id] = shares
         for share in shares:
-            self._views.setdefault(share.model, ModelView[W]()).add(worker, share, +1)
+            view = self._views.get(share.model)
+            if view is None:  # a view is built only for a model new here
+                view = self._views[share.model] = ModelView[W]()
+            view.add(worker, share, +1)
         if worker.ready:
             self._ready.add(worker.id)
 

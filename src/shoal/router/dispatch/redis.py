@@ -64,6 +64,7 @@ from shoal.router.dispatch import answers, places
 from shoal.router.dispatch.answers import UnavailableReason
 from shoal.router.dispatch.directory import RemoteWorker, WorkerDirectory
 from shoal.router.dispatch.fair_queue import Priority
+from shoal.router.dispatch.heartbeats import HeartbeatPace
 from shoal.router.dispatch.holder import Holder
 from shoal.router.dispatch.job import Job, JobState, Submission
 from shoal.router.dispatch.output import JobOutput
@@ -162,6 +163,7 @@ class RedisDispatcher:
             reattach=self.holder.reattach,
             changed=self.directory.changed,
             cache_changed=self.directory.soon,
+            pace=HeartbeatPace(settings.heartbeat_interval, settings.heartbeat_rate),
         )
         self._redis = redis
         self._followed: dict[JobId, _Followed] = {}

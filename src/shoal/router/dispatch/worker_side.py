@@ -32,6 +32,7 @@ from shoal.protocol.messages import (
     StateChanged,
     WorkerMessage,
 )
+from shoal.router.dispatch.heartbeats import HeartbeatPace
 from shoal.router.dispatch.running import Running
 from shoal.router.dispatch.workers import Registry, WorkerConnection
 
@@ -61,11 +62,15 @@ class WorkerSide:
         reattach: Reattach = cancel_held,
         changed: Callable[[], None] = nobody,
         cache_changed: Callable[[], None] = nobody,
+        pace: HeartbeatPace | None = None,
     ) -> None:
         """``capacity``: a slot may have freed or a worker joined (place waiting jobs);
         ``changed``: a worker joined, left or changed state; ``cache_changed``: what a
-        worker's slots hold changed, or a job ended on it (tell the other routers soon)."""
+        worker's slots hold changed, or a job ended on it (tell the other routers soon);
+        ``pace``: how often idle workers heartbeat for the fleet's size (default: every 5 s
+        up to 250 heartbeats a second)."""
         self.registry = registry
+        self.pace = pace or HeartbeatPace(5.0, 250.0)
         self.running = running
         self._capacity = capacity
         self._reattach = reattach
@@ -75,6 +80,7 @@ class WorkerSide:
     def on_registered(self, worker: WorkerConnection, held: Sequence[RunningJob] = ()) -> None:
         """A worker joined; ``held``: jobs it still runs from a connection it lost."""
         self.registry.add(worker)
+        self._pace(worker)
         self._changed()
         if held:
             self._reattach(worker, held)
@@ -85,7 +91,25 @@ class WorkerSide:
         fail (``Running``); ``reason``: how it was lost (connection, heartbeat, stall)."""
         self.registry.remove(worker)
         self.running.on_lost(worker, why, time.monotonic(), reason)
+        self._pace(None)
         self._changed()
+
+    def _pace(self, joined: WorkerConnection | None) -> None:
+        """Keep the idle fleet's heartbeats within the router's budget: every worker is told
+        when the interval changes (O(workers), a handful of times as a fleet grows or
+        shrinks by factors of two), a worker that joins is told the interval in force."""
+        interval = self.pace.after(len(self.registry))
+        if interval is not None:
+            log.info(
+                "%d workers: idle workers heartbeat every %g s (--heartbeat-rate %g/s)",
+                len(self.registry),
+                interval,
+                self.pace.rate,
+            )
+            for worker in self.registry:
+                worker.pace(interval)
+        elif joined is not None and self.pace.interval != self.pace.base:
+            joined.pace(self.pace.interval)  # it was told the base (``Registered``)
 
     def on_chunks(self, worker: WorkerConnection, items: list[ChunkItem]) -> None:
         """Streamed chunks (the hot path: decoded without a model per chunk)."""

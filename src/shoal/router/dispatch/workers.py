@@ -9,7 +9,6 @@ OPEN ──Register ok──▶ ACTIVE ──socket closed / heartbeat missed / 
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import logging
 import time
@@ -24,6 +23,7 @@ from shoal.protocol.messages import (
     Endpoint,
     Hardware,
     Heartbeat,
+    HeartbeatInterval,
     Message,
     ModelInfo,
     Register,
@@ -33,6 +33,7 @@ from shoal.protocol.messages import (
 from shoal.protocol.telemetry import GpuSample
 from shoal.router.dispatch.job import Job
 from shoal.router.dispatch.model_views import ModelView, ModelViews
+from shoal.router.dispatch.outbox import Outbox
 from shoal.router.dispatch.scheduler import WorkerLoad, contexts_of
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,14 @@ class WorkerConnection:
     running: dict[JobId, Job] = field(default_factory=dict)
     last_assigned: float = 0.0
     last_seen: float = field(default_factory=time.monotonic)
+    held_since: float = 0.0
+    """When the latest job was placed on it: the stall clock starts there, not at a heartbeat
+    an idle worker sent up to its (long) idle interval ago."""
+    heartbeat_interval: float = 5.0
+    """How often it beats while idle (what it was told: ``Registered``, ``HeartbeatInterval``)."""
+    miss_interval: float = 5.0
+    """The interval its miss timeout counts in: its own, or, just after it was told a shorter
+    one, the longer one until its next heartbeat (the shorter reaches it in flight)."""
     connected_at: float = field(default_factory=time.time)
     ram_available_bytes: int = 0
     gpu_free_bytes: tuple[int | None, ...] = ()
@@ -92,9 +101,10 @@ class WorkerConnection:
     cached: frozenset[int] = frozenset()
     """The prefix hashes its llama-server's slots hold (``CacheChanged``), with those of the
     jobs placed on it since (its report may not include them yet)."""
-    outbox: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
-    took_job: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set when a job is placed on it: its watchdog, idle till then, watches for a stall."""
+    outbox: Outbox = field(default_factory=Outbox)
+    on_hold: Callable[[], None] | None = None
+    """Told when a job is placed on it: its watchdog (``routes/watchdog.py``) watches for a
+    stall from then."""
     served: frozenset[tuple[ModelName, Endpoint]] = frozenset()
     contexts: tuple[tuple[ModelName, int], ...] = ()
     """Each model's context per slot, where known (``scheduler.contexts_of``)."""
@@ -106,7 +116,8 @@ class WorkerConnection:
     it, which keeps its per-model views (``model_views``) up to date."""
 
     @classmethod
-    def from_register(cls, msg: Register, peer: str) -> WorkerConnection:
+    def from_register(cls, msg: Register, peer: str, interval: float = 5.0) -> WorkerConnection:
+        """``interval``: the heartbeat interval it is told in ``Registered`` (the base)."""
         conn = cls(
             id=msg.worker_id,
             name=msg.name,
@@ -124,6 +135,8 @@ class WorkerConnection:
             no_shards=msg.no_shards,
             shard_ram_bytes=msg.shard_ram_bytes,
             gpus_unused=msg.gpus_unused,
+            heartbeat_interval=interval,
+            miss_interval=interval,
         )
         if msg.gpus_unused:
             log.warning("worker %s (%s): %s", msg.worker_id, msg.name, msg.gpus_unused)
@@ -139,6 +152,15 @@ class WorkerConnection:
         self.stage_memory_bytes = msg.stage_memory_bytes
         self.shard_devices = msg.shard_devices
         self.set_cached(msg.cached_blocks)
+        self.miss_interval = self.heartbeat_interval  # a shorter interval reached it
+
+    def pace(self, interval: float) -> None:
+        """Tell it to beat every ``interval`` while idle (``dispatch/heartbeats.py``)."""
+        if interval == self.heartbeat_interval:
+            return
+        self.miss_interval = max(self.miss_interval, interval)
+        self.heartbeat_interval = interval
+        self.send(HeartbeatInterval(seconds=interval))
 
     def set_cached(self, blocks: tuple[int, ...]) -> None:
         """What the worker reports its slots hold, plus the prefixes of its running jobs."""
@@ -147,7 +169,9 @@ class WorkerConnection:
     def hold(self, run: JobId, job: Job) -> None:
         """``job`` runs here (as ``run``, its wire id): it holds a slot until it ends."""
         self.running[run] = job
-        self.took_job.set()
+        self.held_since = time.monotonic()
+        if self.on_hold is not None:
+            self.on_hold()
 
     def note_prefix(self, prefix: tuple[int, ...]) -> None:
         """A job with ``prefix`` was placed here: its slot will hold it."""

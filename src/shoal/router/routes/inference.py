@@ -21,8 +21,9 @@ from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.websockets import WebSocket
 
-from shoal.protocol.messages import AGENT_ENDPOINTS, Endpoint
+from shoal.protocol.messages import AGENT_ENDPOINTS, WS_PATH, Endpoint
 from shoal.router.admission.requests import (
     MAX_CHOICES,
     TOKEN_FIELDS,
@@ -39,6 +40,7 @@ from shoal.router.routes.common import admit_and_submit
 from shoal.router.routes.context import RouterContext, context
 from shoal.router.routes.dialects import dialect_of
 from shoal.router.routes.relay import JobResponse
+from shoal.router.routes.worker_socket import serve_worker
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +117,8 @@ OpenAPI document: it describes OpenAI's own API)."""
 
 
 class FastPath:
-    """Serves the inference POSTs as plain ASGI, ahead of FastAPI's middleware stack.
+    """Serves the inference POSTs, and the workers' WebSocket (``WS_PATH``), as plain ASGI,
+    ahead of FastAPI's middleware stack and routing.
 
     Every streamed chunk would otherwise pass through five middleware ``send`` wrappers.
     The FastAPI routes below stay the documented (OpenAPI) form of the same endpoints and
@@ -127,6 +130,9 @@ class FastPath:
         self.ctx = ctx
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket" and scope.get("path") == WS_PATH:
+            await serve_worker(WebSocket(scope, receive, send), self.ctx)
+            return
         endpoint = FAST_PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
         if endpoint is None or scope["method"] != "POST":
             await self.app(scope, receive, send)

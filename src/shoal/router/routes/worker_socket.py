@@ -30,9 +30,9 @@ from shoal.protocol.messages import (
     encode,
 )
 from shoal.router.dispatch.interface import Dispatcher
-from shoal.router.dispatch.stall import frozen, next_check
 from shoal.router.dispatch.workers import ConnState, WorkerConnection
 from shoal.router.routes.context import RouterContext, context
+from shoal.router.routes.watchdog import HeartbeatMissed, Stalled, Watchdog
 from shoal.tls_listener import PeerWarnings
 
 log = logging.getLogger(__name__)
@@ -53,14 +53,6 @@ class Refusal(Exception):
 
 class ProtocolViolation(Exception):
     pass
-
-
-class HeartbeatMissed(Exception):
-    pass
-
-
-class Stalled(Exception):
-    """The worker holds jobs and went silent while others were heard from (``stall``)."""
 
 
 def _peer(ws: WebSocket) -> str:
@@ -94,7 +86,14 @@ def parse_register(frame: str, ctx: RouterContext) -> Register:
 
 @router.websocket(WS_PATH)
 async def worker_socket(ws: WebSocket) -> None:
-    ctx = context(ws)
+    """The documented route; the router serves it ahead of FastAPI (``serve_worker``)."""
+    await serve_worker(ws, context(ws))
+
+
+async def serve_worker(ws: WebSocket, ctx: RouterContext) -> None:
+    """One worker's connection: key, registration, then its frames until it ends. Called by
+    the composition root's ASGI fast path (``routes/inference.FastPath``) for ``WS_PATH``,
+    without FastAPI's routing, dependencies and middleware (a fleet registers thousands)."""
     await ws.accept()
     peer = _peer(ws)
     try:
@@ -111,7 +110,7 @@ async def worker_socket(ws: WebSocket) -> None:
         log.warning("worker from %s did not register", peer)
         await _close_quietly(ws, CLOSE_PROTOCOL_ERROR, "no register frame")
         return
-    worker = WorkerConnection.from_register(msg, peer)
+    worker = WorkerConnection.from_register(msg, peer, ctx.settings.heartbeat_interval)
     worker.move(
         ConnState.ACTIVE,
         f"registered from {peer} with {msg.slots} slots, models "
@@ -171,7 +170,7 @@ async def _serve(ws: WebSocket, worker: WorkerConnection, ctx: RouterContext) ->
     try:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(_write(ws, worker))
-            tg.create_task(_watchdog(worker, ctx))
+            tg.create_task(_watch(worker, ctx))
             await _read(ws, worker, ctx)
             raise WebSocketDisconnect  # reader ended: tear the other two down
     except* WebSocketDisconnect:
@@ -220,42 +219,24 @@ async def _read(ws: WebSocket, worker: WorkerConnection, ctx: RouterContext) -> 
 async def _write(ws: WebSocket, worker: WorkerConnection) -> None:
     outbox = worker.outbox
     while True:
-        frame = await outbox.get()
-        await ws.send_text(frame)
+        for frame in await outbox.take():
+            await ws.send_text(frame)
 
 
-async def _watchdog(worker: WorkerConnection, ctx: RouterContext) -> None:
-    """Drop the worker when its heartbeats stop, or sooner when it is frozen (``stall``).
-
-    While it holds no job there is no stall to watch for: it wakes at the heartbeat
-    deadline, or when a job is placed on it (``took_job``), so an idle worker costs a
-    wake-up every few heartbeats instead of one per heartbeat."""
-    timeout, stall = ctx.settings.heartbeat_timeout, ctx.settings.stall_timeout
-    dispatcher = ctx.dispatcher
-    while True:
-        now = time.monotonic()
-        delay = worker.last_seen + timeout - now
-        if delay <= 0:
-            raise HeartbeatMissed
-        if frozen(now, worker.last_seen, bool(worker.running), _others(dispatcher, worker), stall):
-            log.warning(
-                "worker %s: nothing from it for %.1f s while it holds %d job(s) (%s) and other "
-                "workers are heard from: taken for frozen",
-                worker.id,
-                now - worker.last_seen,
-                len(worker.running),
-                ", ".join(worker.running),
-            )
-            raise Stalled
-        if stall > 0 and not worker.running:
-            worker.took_job.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(delay):
-                    await worker.took_job.wait()
-            continue
-        if stall > 0:
-            delay = min(delay, next_check(now, worker.last_seen, stall))
-        await asyncio.sleep(delay)
+async def _watch(worker: WorkerConnection, ctx: RouterContext) -> None:
+    """Until its watchdog trips (``HeartbeatMissed``, ``Stalled``): one timer, no wake-ups
+    per heartbeat (``routes/watchdog.py``)."""
+    watchdog = Watchdog(
+        worker,
+        misses=ctx.settings.heartbeat_misses,
+        stall_timeout=ctx.settings.stall_timeout,
+        others=lambda: _others(ctx.dispatcher, worker),
+    )
+    watchdog.start()
+    try:
+        await watchdog.tripped
+    finally:
+        watchdog.stop()
 
 
 def _others(dispatcher: Dispatcher, worker: WorkerConnection) -> Iterator[float]:
@@ -263,8 +244,8 @@ def _others(dispatcher: Dispatcher, worker: WorkerConnection) -> Iterator[float]
     cluster's (its last directory sync that found another router's worker).
 
     Lazy: ``frozen`` reads it only for a worker that holds jobs and has been silent for the
-    stall timeout, so a watchdog's wake-up (one per worker per heartbeat) stays O(1) instead
-    of walking every worker (which made an idle fleet's cost grow with its square)."""
+    stall timeout, so a watchdog's wake-up stays O(1) instead of walking every worker (which
+    made an idle fleet's cost grow with its square)."""
     cluster = dispatcher.heard_from_cluster()
     if cluster is not None:
         yield cluster

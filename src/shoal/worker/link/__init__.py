@@ -3,6 +3,8 @@
 * ``router_link.py``: ``RouterLink``, the WebSocket to a router (dial, register, heartbeat,
   reconnect; a state machine), and the router's orders it passes on (jobs, model controls,
   split-model orders: ``ShardOrders``).
+* ``heartbeats.py``: ``Heartbeats``, the heartbeats to the router at the pace it sets
+  (``HeartbeatInterval`` while idle, the base interval while a job runs).
 * ``dialing.py``: what the worker says when it cannot join a router (pure).
 * ``outbox.py``: frames waiting for the router, batched, and each job's journal (its output
   kept until a router takes it back after a lost connection).

@@ -42,6 +42,7 @@ from shoal.protocol.messages import (
     Draining,
     ErrorBody,
     Heartbeat,
+    HeartbeatInterval,
     JobCancel,
     JobFailed,
     JobResume,
@@ -64,6 +65,7 @@ from shoal.worker.backoff import Backoff
 from shoal.worker.hardware import MemoryProbe
 from shoal.worker.jobs.runner import JobRunner
 from shoal.worker.link.dialing import advice, failure_reason, refusal_text
+from shoal.worker.link.heartbeats import Heartbeats
 from shoal.worker.link.outbox import Outbox
 from shoal.worker.tls import Refusal, UntrustedRouter
 
@@ -222,6 +224,8 @@ class RouterLink:
         self._grace: asyncio.TimerHandle | None = None
         self._draining: Draining | None = None
         """Set once the worker drains (``drain``): told to every router it registers with."""
+        self._heartbeats: Heartbeats | None = None
+        """This connection's heartbeats (None between connections)."""
 
     @property
     def state(self) -> LinkState:
@@ -360,14 +364,23 @@ class RouterLink:
             self.outbox.send(CacheChanged(blocks=self.cached_blocks))
         if self._draining is not None:
             self.outbox.send(self._draining)
+        beats = Heartbeats(
+            registered.heartbeat_interval_s,
+            self._reading,
+            self.outbox.send,
+            busy=lambda: self.runner.running > 0,
+        )
+        self._heartbeats = beats
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self.outbox.pump(ws.send))
-                tg.create_task(self._heartbeat(registered.heartbeat_interval_s))
+                tg.create_task(beats.run())
                 await self._read(ws)
                 raise websockets.ConnectionClosedOK(None, None)  # stop the other two
         except* (OSError, websockets.WebSocketException) as group:
             raise group.exceptions[0] from None
+        finally:
+            self._heartbeats = None
 
     async def _handshake(self, ws: ClientConnection) -> Registered:
         register = self.register()
@@ -387,22 +400,19 @@ class RouterLink:
             raise websockets.InvalidMessage(f"expected 'registered', got {reply.type!r}")
         return reply
 
-    async def _heartbeat(self, interval: float) -> None:
-        while True:
-            await asyncio.sleep(interval)
-            reading = await self.memory.read()
-            self.outbox.send(
-                Heartbeat(
-                    state=self.backend_state,
-                    running_jobs=self.runner.running,
-                    ram_available_bytes=reading.ram_available_bytes,
-                    gpu_free_bytes=reading.gpu_free_bytes,
-                    stage_memory_bytes=self.memory.stage_memory(),
-                    shard_devices=self.memory.shard_devices(),
-                    cached_blocks=self.cached_blocks,
-                    gpu_telemetry=reading.gpus,
-                )
-            )
+    async def _reading(self) -> Heartbeat:
+        """A heartbeat: the backend's state, the jobs running, the machine's memory now."""
+        reading = await self.memory.read()
+        return Heartbeat(
+            state=self.backend_state,
+            running_jobs=self.runner.running,
+            ram_available_bytes=reading.ram_available_bytes,
+            gpu_free_bytes=reading.gpu_free_bytes,
+            stage_memory_bytes=self.memory.stage_memory(),
+            shard_devices=self.memory.shard_devices(),
+            cached_blocks=self.cached_blocks,
+            gpu_telemetry=reading.gpus,
+        )
 
     def _refuse_draining(self, job: JobStart) -> None:
         """A job sent before the router heard that we drain: it runs elsewhere."""
@@ -413,6 +423,21 @@ class RouterLink:
             code="worker_draining",
         )
         self.outbox.send(JobFailed(job_id=job.job_id, status=503, error=error, retryable=True))
+
+    def _start(self, job: JobStart) -> None:
+        if self._draining is not None:
+            self._refuse_draining(job)
+            return
+        self.outbox.open(job.job_id, job.attempt)
+        self.runner.start(job)
+        if self._heartbeats is not None:
+            self._heartbeats.poke()  # busy: it beats at the base interval now
+
+    def _pace(self, msg: HeartbeatInterval) -> None:
+        """The router's fleet grew or shrank: beat at its pace while idle."""
+        log.info("the router asks for a heartbeat every %g s while idle", msg.seconds)
+        if self._heartbeats is not None:
+            self._heartbeats.set_idle(msg.seconds)
 
     def _model_control(self, msg: ModelControl) -> None:
         if not self.model_control(msg):
@@ -431,11 +456,10 @@ class RouterLink:
 
     def _handle(self, msg: RouterMessage) -> None:
         match msg:
-            case JobStart() if self._draining is not None:
-                self._refuse_draining(msg)
             case JobStart():
-                self.outbox.open(msg.job_id, msg.attempt)
-                self.runner.start(msg)
+                self._start(msg)
+            case HeartbeatInterval():
+                self._pace(msg)
             case JobCancel(job_id=job_id):
                 self.outbox.discard(job_id)
                 self.runner.cancel(job_id)

@@ -21,9 +21,9 @@ from cluster import Cluster, Router, wait_until
 from data.stores import link_or_copy
 from fakes.fake_hub import FakeHub
 from shoal.models.catalog_file import load_catalog
+from shoal.models.gguf_header import HEADER_CHUNK
 from shoal.models.gguf_info import inspect
 from shoal.models.hub_cache import local_path
-from shoal.models.hub_ranges import HEADER_CHUNK
 from shoal.models.stage_tensors import stage_tensors
 
 pytestmark = pytest.mark.e2e

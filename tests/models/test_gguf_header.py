@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shoal.models.errors import ModelError
-from shoal.models.gguf_header import check_complete, data_end, data_offset
+from shoal.models.gguf_header import (
+    HEADER_CHUNK,
+    check_complete,
+    data_end,
+    data_offset,
+    next_header_read,
+)
 from shoal.models.gguf_info import inspect
 
 
@@ -110,3 +116,23 @@ def test_a_file_without_tensors_needs_only_its_header() -> None:
     header = b"GGUF" + (3).to_bytes(4, "little") + bytes(16)  # v3, no tensors, no metadata
     assert data_offset(header) == 32  # the data would start at the alignment
     assert data_end(header) == 24
+
+
+def test_reading_a_header_a_chunk_at_a_time(
+    headers: list[tuple[bytes, int]], model_path: Path
+) -> None:
+    """``next_header_read``, the loop every remote reader runs: chunks from the start until the
+    header ends, never past the file or ``MAX_HEADER``."""
+    with model_path.open("rb") as f:
+        data = f.read(8 * HEADER_CHUNK)
+    offset = inspect(model_path).data_offset
+    got = b""
+    reads = []
+    while isinstance(step := next_header_read(got, len(data)), tuple):
+        reads.append(step)
+        got += data[step[0] : step[1]]
+    assert step == offset
+    assert reads == [(i * HEADER_CHUNK, (i + 1) * HEADER_CHUNK) for i in range(len(reads))]
+    assert len(reads) == -(-offset // HEADER_CHUNK)
+    assert next_header_read(b"", 100) == (0, 100)  # a small file is read whole at once
+    assert next_header_read(data[:100], 100) is None  # it ends inside its header

@@ -21,6 +21,7 @@ GGUF files
     tensors), ``byte_ranges.py``.
 The cache and the model store
     ``local_cache.py`` (what this machine holds), ``store_client.py`` (fetching from ``shoal
-    data``, or finding its folder mounted here), ``store_upload.py`` (``shoal data upload``).
+    data`` — whole files, layer ranges, a model's registry line and its header by ``Range`` —
+    or finding its folder mounted here), ``store_upload.py`` (``shoal data upload``).
 ``errors.py``: ``ModelError`` and its kinds.
 """

@@ -16,3 +16,11 @@ class HubError(ModelError):
     The message names the repo and file and says what to do (set ``HF_TOKEN``, fix
     ``HF_ENDPOINT``, pre-stage the file for offline mode, run the command again to resume).
     """
+
+
+class StoreUnreachable(ModelError):
+    """A model store (``shoal data``) could not be reached or did not answer like one.
+
+    Unlike a model missing from a store, this says nothing about whether the model is there:
+    the router answers 503 for it, not 404.
+    """

@@ -99,6 +99,24 @@ def data_offset(data: bytes) -> int | None:
     return layout.data_offset if layout else None
 
 
+def next_header_read(data: bytes, size: int) -> int | tuple[int, int] | None:
+    """One step of reading a header from its first bytes (``data``) of a ``size``-byte file:
+    the header's length with its padding when ``data`` holds it all, else the byte range
+    ``[start, end)`` to read next (``HEADER_CHUNK`` at a time), or None when the header does
+    not end within the file or ``MAX_HEADER`` (not a GGUF Shoal can read).
+
+    The loop every remote reader runs (Hugging Face ranges, a model store's), sync or async.
+    Raises ``ValueError`` when ``data`` is not the start of a GGUF v2/v3 file.
+    """
+    end = data_offset(data)
+    if end is not None:
+        return end
+    limit = min(size, MAX_HEADER)
+    if len(data) >= limit:
+        return None
+    return len(data), min(limit, len(data) + HEADER_CHUNK)
+
+
 def data_end(data: bytes) -> int | None:
     """How many bytes a GGUF file beginning with ``data`` must have to hold every tensor's
     data (the end of the tensor that ends last), or None when ``data`` ends inside the header.

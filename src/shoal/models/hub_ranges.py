@@ -5,7 +5,7 @@ A stage of a split model pre-seeds its RPC cache with the tensors of its layers
 URL (pinned to the commit the ``HEAD`` call names, through huggingface_hub's session, token
 and endpoint like every download: ``hub``) only:
 
-1. the header, a chunk at a time until ``gguf_header.data_offset`` says where it ends;
+1. the header, a chunk at a time until ``gguf_header.next_header_read`` says where it ends;
 2. the tensors ``stage_tensors`` gives the stage (those llama.cpp asks for by hash), their
    ranges merged where only alignment padding separates them (``byte_ranges``).
 
@@ -31,7 +31,7 @@ from huggingface_hub.utils._headers import build_hf_headers
 from shoal.models import hub_cache
 from shoal.models.byte_ranges import merge_ranges
 from shoal.models.errors import HubError
-from shoal.models.gguf_header import HEADER_CHUNK, MAX_HEADER, data_offset
+from shoal.models.gguf_header import MAX_HEADER, next_header_read
 from shoal.models.gguf_info import inspect
 from shoal.models.hub import DOWNLOAD_ATTEMPTS, HubConfig, locate
 from shoal.models.hub_errors import HUB_FAILURES, hub_error
@@ -156,11 +156,11 @@ class _Ranges:
 
     def header(self, size: int) -> bytes:
         data = b""
-        while (end := data_offset(data)) is None:
-            if len(data) >= min(size, MAX_HEADER):
-                raise HubError(f"{self.where} has no complete GGUF header in its first bytes")
-            data += self.read(len(data), min(size, len(data) + HEADER_CHUNK))
-        return data[:end]
+        while isinstance(step := next_header_read(data, size), tuple):
+            data += self.read(*step)
+        if step is None:
+            raise HubError(f"{self.where} has no complete GGUF header in its first bytes")
+        return data[:step]
 
     def read(self, start: int, end: int) -> bytes:
         chunks: list[bytes] = []

@@ -30,7 +30,8 @@ import aiohttp
 import anyio.to_thread
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from shoal.models.errors import ModelError
+from shoal.models.errors import ModelError, StoreUnreachable
+from shoal.models.gguf_header import next_header_read
 from shoal.pip_download import file_sha256
 from shoal.progress import BYTES_UNIT, Progress
 
@@ -76,15 +77,22 @@ async def fetch_from_store(
     *,
     api_key: str | None = None,
     tls: ssl.SSLContext | None = None,
+    sha256: str | None = None,
 ) -> Path:
     """Download ``model_id`` from the store at ``base_url`` into ``dest_dir``; return its path.
 
     A complete file with the right sha256 is not downloaded again; a ``.part`` left by an
-    interrupted run is continued. Raises ``ModelError`` with what to do next.
+    interrupted run is continued. ``sha256``: the version wanted (a split model's, as the router
+    planned it); another one on the store is refused. Raises ``ModelError`` with what to do next.
     """
     base = base_url.rstrip("/")
     async with _session(api_key, tls) as session:
         entry = await _registry_entry(session, base, model_id)
+        if sha256 is not None and entry.sha256 != sha256:
+            raise ModelError(
+                f"model {entry.id} on the store at {base} has sha256 {entry.sha256}, not the "
+                f"{sha256} the router planned with: it changed; deploy it again."
+            )
         dest_dir.mkdir(parents=True, exist_ok=True)
         dest = dest_dir / Path(entry.filename).name
         if await anyio.to_thread.run_sync(_is_complete, dest, entry):
@@ -193,7 +201,82 @@ async def fetch_ranges(
     return dest
 
 
+async def find_entry(
+    base_url: str,
+    model_id: str,
+    *,
+    api_key: str | None = None,
+    tls: ssl.SSLContext | None = None,
+) -> RegistryEntry | None:
+    """``model_id``'s line of the registry of the store at ``base_url``; None when the store
+    does not have it. Raises ``StoreUnreachable`` when the store cannot be asked, and
+    ``ModelError`` when it refuses (a key it does not take)."""
+    base = base_url.rstrip("/")
+    async with _session(api_key, tls) as session:
+        try:
+            return await _registry_entry(session, base, model_id)
+        except _NotInStore:
+            return None
+
+
+async def fetch_header(
+    base_url: str,
+    entry: RegistryEntry,
+    *,
+    api_key: str | None = None,
+    tls: ssl.SSLContext | None = None,
+) -> bytes:
+    """The GGUF header (metadata and tensor table) of a store's model, fetched by ``Range`` a
+    chunk at a time (``gguf_header.next_header_read``): never the tensor data. Each range is
+    asked for with ``If-Range`` on ``entry``'s sha256, so a file replaced meanwhile is refused.
+    """
+    base = base_url.rstrip("/")
+    url = f"{base}/api/v1/models/{entry.id}/file"
+    data = b""
+    async with _session(api_key, tls) as session:
+        while isinstance(step := _header_step(data, entry, base), tuple):
+            data += await _read_range(session, url, entry, step)
+    logger.info("model %s: read its %d-byte GGUF header from the store at %s", entry.id, step, base)
+    return data[:step]
+
+
 # Internals
+
+
+class _NotInStore(ModelError):
+    """The store answered, and has no such model."""
+
+
+def _header_step(data: bytes, entry: RegistryEntry, base: str) -> int | tuple[int, int]:
+    try:
+        step = next_header_read(data, entry.size)
+    except ValueError as exc:
+        raise ModelError(f"model {entry.id} on the store at {base} is not a GGUF: {exc}") from None
+    if step is None:
+        raise ModelError(
+            f"model {entry.id} on the store at {base} has no complete GGUF header in its "
+            "first bytes; upload the file again."
+        )
+    return step
+
+
+async def _read_range(
+    session: aiohttp.ClientSession, url: str, entry: RegistryEntry, span: tuple[int, int]
+) -> bytes:
+    start, end = span
+    headers = {"Range": f"bytes={start}-{end - 1}", "If-Range": _etag(entry)}
+    try:
+        async with session.get(url, headers=headers) as resp:
+            await _check(resp, url, entry.id)
+            expected = f"bytes {start}-{end - 1}/{entry.size}"
+            if resp.status != 206 or resp.headers.get("Content-Range") != expected:
+                raise ModelError(
+                    f"model {entry.id} changed on the store at {url} while its header was "
+                    "read (or the store ignored the byte range); ask again."
+                )
+            return await resp.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise _unreachable(url, exc) from None
 
 
 def _session(api_key: str | None, tls: ssl.SSLContext | None = None) -> aiohttp.ClientSession:
@@ -220,7 +303,7 @@ async def _registry_entry(
         if entry.id == model_id.lower():
             return entry
     known = ", ".join(e.id for e in entries) or "none"
-    raise ModelError(
+    raise _NotInStore(
         f"model {model_id!r} is not in the model store at {base} (it has: {known}). "
         "Upload it there first (POST /api/v1/storage/upload) or pick one of those."
     )
@@ -398,7 +481,8 @@ async def _check(resp: aiohttp.ClientResponse, where: str, model_id: str) -> Non
         )
     if resp.status == 404:
         raise ModelError(f"model store at {where}: {message}")
-    raise ModelError(f"the model store at {where} answered {resp.status} for {model_id}: {message}")
+    kind = StoreUnreachable if resp.status >= 500 else ModelError  # a proxy's 502, say
+    raise kind(f"the model store at {where} answered {resp.status} for {model_id}: {message}")
 
 
 async def _error_message(resp: aiohttp.ClientResponse) -> str:
@@ -420,12 +504,12 @@ class ErrorEnvelope(BaseModel):
     error: _ErrorBody
 
 
-def _unreachable(base: str, exc: BaseException) -> ModelError:
-    return ModelError(
+def _unreachable(base: str, exc: BaseException) -> StoreUnreachable:
+    return StoreUnreachable(
         f"cannot reach the model store at {base} ({exc!r}). Check that it runs "
         "(`shoal data`) and that the URL and port are right."
     )
 
 
-def _not_a_store(base: str, detail: str) -> ModelError:
-    return ModelError(f"{base} does not answer like a Shoal model store: {detail}.")
+def _not_a_store(base: str, detail: str) -> StoreUnreachable:
+    return StoreUnreachable(f"{base} does not answer like a Shoal model store: {detail}.")

@@ -25,9 +25,9 @@ from shoal.llama_cpp.rpc_cache import RpcCache
 from shoal.models.catalog_file import load_catalog
 from shoal.models.default import DEFAULT_MODEL
 from shoal.models.errors import HubError
+from shoal.models.gguf_header import HEADER_CHUNK
 from shoal.models.gguf_info import inspect
 from shoal.models.hub_cache import local_path
-from shoal.models.hub_ranges import HEADER_CHUNK
 from shoal.models.stage_tensors import stage_tensors
 from shoal.protocol.messages import ModelFile, ModelName, ShardRole, ShardStart
 from shoal.router.deployments.pin import pin_model

@@ -15,11 +15,12 @@ from pydantic import ValidationError
 from link_rig import router_link
 from shoal.protocol.ids import JobId
 from shoal.protocol.messages import JobDone, decode_worker_message
-from shoal.protocol.shards import ShardRole, ShardStart, ShardState, ShardStatus
+from shoal.protocol.shards import ShardRole, ShardStart, ShardState, ShardStatus, StoreFile
 from shoal.worker.backoff import Backoff
 from shoal.worker.link.outbox import Outbox, frames
 from shoal.worker.settings import WorkerSettings, router_ws_url
 from shoal.worker.text.backend_errors import context_needed, error_from_body
+from shoal.worker.text.plan import store_base
 from shoal.worker.text.streams import sse_data
 
 
@@ -204,3 +205,23 @@ def test_a_store_mount_needs_the_store(tmp_path: Path) -> None:
         WorkerSettings(model_store_mount=tmp_path)
     mounted = WorkerSettings(model_store="https://store.lan:8100", model_store_mount=tmp_path)
     assert mounted.model_store_mount == tmp_path
+
+
+@pytest.mark.parametrize(
+    ("router_url", "tls_ca", "base"),
+    [
+        ("127.0.0.1:8000", None, "http://127.0.0.1:8000"),
+        ("https://r.example", None, "https://r.example"),
+        ("r.lan:8000, other:8000", Path("ca.pem"), "https://r.lan:8000"),
+        ("wss://r.example/shoal/ws/worker", None, "https://r.example/shoal"),
+    ],
+)
+def test_a_split_model_in_the_routers_own_store_is_fetched_from_the_router(
+    router_url: str, tls_ca: Path | None, base: str
+) -> None:
+    """``StoreFile.url`` None: the router's ``--storage``, reached at the first router's URL."""
+    settings = WorkerSettings(router_url=router_url, tls_ca=tls_ca)
+    own = StoreFile(url=None, id="m", sha256="0" * 64, size=1)
+    assert store_base(settings, own) == base
+    there = StoreFile(url="http://store:8001", id="m", sha256="0" * 64, size=1)
+    assert store_base(settings, there) == "http://store:8001"

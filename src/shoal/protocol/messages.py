@@ -30,12 +30,14 @@ from shoal.protocol.shards import (
     ShardState,
     ShardStatus,
     ShardStop,
+    StoreFile,
     TunnelDial,
 )
 from shoal.protocol.telemetry import GpuSample
 
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 """Bumped on any incompatible change; a router refuses workers that speak another version.
+15: ``ShardStart.store`` (the model store a split model's store id was found in, and its sha256).
 14: ``HeartbeatInterval`` (the router paces an idle worker's heartbeats to its fleet's size).
 13: ``Register.shard_ram_bytes`` (the RAM a worker offers split models, ``--shard-ram``).
 12: ``Endpoint.RESPONSES``, ``MESSAGES`` and ``COUNT_TOKENS`` (OpenAI's Responses API and
@@ -559,6 +561,7 @@ __all__ = [
     "ShardDevice",
     "ShardStatus",
     "ShardStop",
+    "StoreFile",
     "StateChanged",
     "TunnelDial",
     "WorkerId",

@@ -140,6 +140,18 @@ class ModelFile(Message):
     """Bytes of ``filename``, as the router's copy has them."""
 
 
+class StoreFile(Message):
+    """A split model's file in a model store (``shoal data``), as the router found it when it
+    planned: every shard fetches that version from that store (with its own GPU key)."""
+
+    url: str | None
+    """The store's base URL; None: the router's own store (``--storage``), reached at the
+    router's URL the worker dials."""
+    id: str
+    sha256: str
+    size: int = Field(ge=0)
+
+
 class ShardStart(Message):
     """Take a part in a split model (router -> worker)."""
 
@@ -173,6 +185,9 @@ class ShardStart(Message):
     """The exact file of a catalog model, pinned by the router: head and stages use it
     instead of resolving ``source`` themselves (None: ``source`` is a path or a model-store
     id, used as it is)."""
+    store: StoreFile | None = None
+    """Where a model-store id was found when the router planned: head and stages fetch from
+    that store (None: the worker's own ``--model-store``, or not a store id)."""
 
 
 class ShardStop(Message):

@@ -10,7 +10,6 @@ import os
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import redis.asyncio
@@ -28,7 +27,6 @@ from shoal.data import routes as data_routes
 from shoal.data.keys import StoreKeys
 from shoal.data.store import ModelStore
 from shoal.keys import KeyStore, KeyStoreError, Scope, open_store
-from shoal.models.resolve import resolve_model
 from shoal.router import errors
 from shoal.router.admission.accounting import Accounting
 from shoal.router.admission.auth import KeyCheck, describe, startup_problem
@@ -47,6 +45,7 @@ from shoal.router.async_jobs.store.redis import RedisJobStore
 from shoal.router.deployments.controller import Deployments
 from shoal.router.deployments.leases import DeploymentLeases
 from shoal.router.deployments.pin import pin_model
+from shoal.router.deployments.sources import ModelSources
 from shoal.router.deployments.store import DeploymentStore
 from shoal.router.deployments.tunnels import RouterTunnels
 from shoal.router.dispatch.answers import UnavailableReason
@@ -126,11 +125,12 @@ def build_app(settings: RouterSettings, store: KeyStore | None = None) -> infere
     metrics = Metrics(lambda: snapshot(registry, dispatcher, deployments))
     name = consumer_name()  # this router, among the routers sharing a Redis
     shared = redis_client(settings)
+    model_store = _model_store(settings)
     deployments = Deployments(
         registry,
         DeploymentStore(store.engine),
         RouterTunnels(registry, settings.host, settings.tunnel_port, _tunnel_tls(settings)),
-        _router_model(settings),
+        _model_sources(settings, model_store),
         _deployment_leases(settings, shared, name),
         pin=functools.partial(pin_model, cache_dir=settings.cache_dir),
         rebalance_quiet_s=settings.rebalance_quiet_s,
@@ -174,13 +174,7 @@ def build_app(settings: RouterSettings, store: KeyStore | None = None) -> infere
         check_served=dispatcher.check_served,
     )
     dashboard.install(app)
-    if settings.storage is not None:
-        try:
-            model_store = ModelStore(settings.storage)
-        except OSError as exc:
-            raise RouterConfigError(
-                f"cannot use {settings.storage} as the model store: {exc.strerror}"
-            ) from None
+    if model_store is not None:
         data_routes.install(
             app,
             model_store,
@@ -240,13 +234,37 @@ def _deployment_leases(
     return DeploymentLeases(shared, settings.redis_prefix, name)
 
 
-def _router_model(settings: RouterSettings) -> Callable[[str], Path]:
-    """A model source -> the GGUF file the router plans with (its cache or a path)."""
+def _model_store(settings: RouterSettings) -> ModelStore | None:
+    """The router's own model store (``--storage``), or None."""
+    if settings.storage is None:
+        return None
+    try:
+        return ModelStore(settings.storage)
+    except OSError as exc:
+        raise RouterConfigError(
+            f"cannot use {settings.storage} as the model store: {exc.strerror}"
+        ) from None
 
-    def resolve(source: str) -> Path:
-        return resolve_model(source, settings.cache_dir, download=False).path
 
-    return resolve
+def _model_sources(settings: RouterSettings, own: ModelStore | None) -> ModelSources:
+    """Where split models are found: the router's cache or paths, its store, ``--model-store``."""
+    key = settings.model_store_key
+    ca = settings.model_store_ca
+    try:
+        tls = ssl.create_default_context(cafile=ca)
+    except OSError as exc:  # ssl.SSLError too: not a PEM certificate
+        reason = exc.strerror or getattr(exc, "reason", None) or str(exc)
+        raise RouterConfigError(
+            f"cannot use {ca} as the model stores' CA certificate (--model-store-ca): {reason}. "
+            "Give the PEM file of the CA that signed the stores' certificates."
+        ) from None
+    return ModelSources(
+        settings.cache_dir,
+        settings.model_store,
+        api_key=key.get_secret_value() if key is not None else None,
+        tls=tls,
+        own_store=own,
+    )
 
 
 def open_key_store(settings: RouterSettings) -> KeyStore:

@@ -78,6 +78,13 @@ class Unavailable(RouterError):
     code = "no_worker_available"
 
 
+class StoreUnavailable(RouterError):
+    """A model store the router asks for a split model could not be reached."""
+
+    status = 503
+    code = "model_store_unavailable"
+
+
 class WorkerLost(RouterError):
     status = 502
     code = "worker_lost"

@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal, Self
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from shoal.models.default import DEFAULT_MODEL
 from shoal.security import is_loopback
 from shoal.settings import (
     KEEP_ALIVE_S,
+    CommaList,
     SecretList,
     TlsServerSettings,
     server_variable,
@@ -19,6 +20,10 @@ from shoal.settings import (
 
 ROUTER_API_KEY_VARIABLE = server_variable("router", "api_key")
 """``--api-key``'s variable: the router's own (a client's shell holds OPENAI_API_KEY)."""
+MODEL_STORE_VARIABLE = server_variable("router", "model_store")
+"""``--model-store``'s variable: not a worker's ``SHOAL_MODEL_STORE`` (a worker fetches its one
+model from there)."""
+MODEL_STORE_KEY_VARIABLE = server_variable("router", "model_store_key")
 
 
 class RouterSettings(TlsServerSettings):
@@ -44,6 +49,21 @@ class RouterSettings(TlsServerSettings):
         None,
         description="Also serve the GGUF files in this folder as a model store "
         "(/api/v1/models/...), for workers and the deployments planner.",
+    )
+    model_store: Annotated[CommaList, MODEL_STORE_VARIABLE] = Field(
+        (),
+        description="Comma-separated URLs of model stores (shoal data) to find split models in: "
+        "a model id in deploy or plan that is neither a catalog model here nor a path is "
+        "looked up in --storage, then in these in order (only its GGUF header is read here). "
+        "Workers fetch it from the store that has it, with their --gpu-key.",
+    )
+    model_store_key: Annotated[SecretStr | None, MODEL_STORE_KEY_VARIABLE] = Field(
+        None, description="The key the router reads the --model-store stores with."
+    )
+    model_store_ca: Path | None = Field(
+        None,
+        description="PEM CA certificate to verify HTTPS --model-store stores with (default: "
+        "the system's CAs).",
     )
     default_model: str = Field(
         DEFAULT_MODEL.id,
@@ -190,6 +210,7 @@ class RouterSettings(TlsServerSettings):
     )
 
     _split_api = field_validator("api_key", "gpu_key", "admin_key", mode="before")(split_commas)
+    _split_stores = field_validator("model_store", mode="before")(split_commas)
 
     @model_validator(mode="after")
     def _stall_above_heartbeats(self) -> Self:

@@ -20,6 +20,7 @@ from shoal.router.deployments.controller import Deployments
 from shoal.router.deployments.deployment import DeploymentSpec, StageLink, TunnelBytes
 from shoal.router.deployments.pin import pin_model
 from shoal.router.deployments.placement import Strategy
+from shoal.router.deployments.sources import ModelSources
 from shoal.router.deployments.store import DeploymentStore
 from shoal.router.dispatch.workers import Registry, WorkerConnection
 from socketless import worker_connection
@@ -83,7 +84,7 @@ def specs(folder: Path) -> DeploymentStore:
 
 async def deployed(model_path: Path, registry: Registry, folder: Path) -> Deployments:
     controller = Deployments(
-        registry, specs(folder), FakeTunnels(), lambda source: model_path, pin=router_pin
+        registry, specs(folder), FakeTunnels(), ModelSources(model_path.parent), pin=router_pin
     )
     spec = DeploymentSpec(
         "split", str(model_path), 1024, Strategy.BALANCED, ("a", "b", "c"), "relayed"

@@ -4,6 +4,8 @@ the real default model's GGUF to plan from. Workers' answers are fed in as ``Sha
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from deployment_rig import (
 )
 
 from shoal.models.errors import ModelError
+from shoal.models.gguf_info import inspect
 from shoal.protocol.messages import (
     DevicePlacement,
     ModelFile,
@@ -30,7 +33,7 @@ from shoal.protocol.messages import (
     ShardStatus,
     ShardStop,
 )
-from shoal.router.deployments.controller import Deployments
+from shoal.router.deployments.controller import LOCATE_RETRY_S, Deployments
 from shoal.router.deployments.deployment import (
     Deployment,
     DeploymentSpec,
@@ -39,10 +42,22 @@ from shoal.router.deployments.deployment import (
 )
 from shoal.router.deployments.nodes import planning_nodes
 from shoal.router.deployments.placement import Strategy
+from shoal.router.deployments.sources import Located, ModelSources
 from shoal.router.dispatch.workers import Registry
 from shoal.router.errors import BadRequest
 from shoal.worker.shards.host import head_args
 from socketless import worker_connection
+
+
+class OneFile:
+    """Sources where every model is one file: a catalog id as the router resolves it, without
+    a catalog download (a stand-in for ``ModelSources``' catalog step, named so)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    async def locate(self, source: str) -> Located:
+        return Located(source, inspect(self.path))
 
 
 async def test_stages_first_then_the_head_with_the_plans_numbers(
@@ -186,7 +201,7 @@ async def test_a_worker_leaving_degrades_and_a_smaller_plan_follows(
     registry = Registry()
     a, b, c = (connect(registry, n) for n in "abc")
     controller = Deployments(
-        registry, specs(tmp_path), FakeTunnels(), lambda source: model_path, pin=router_pin
+        registry, specs(tmp_path), FakeTunnels(), ModelSources(model_path.parent), pin=router_pin
     )
     spec = DeploymentSpec("split", str(model_path), 1024, Strategy.BALANCED, None, "relayed")
     await controller.deploy(spec)
@@ -222,7 +237,7 @@ async def test_workers_that_cannot_run_shards_are_left_out_or_named(
     a, b, c = (connect(registry, n) for n in "abc")
     c.no_shards = CANNOT
     controller = Deployments(
-        registry, specs(tmp_path), FakeTunnels(), lambda source: model_path, pin=router_pin
+        registry, specs(tmp_path), FakeTunnels(), ModelSources(model_path.parent), pin=router_pin
     )
     spec = DeploymentSpec("any", str(model_path), 1024, Strategy.BALANCED, None, "relayed")
     await controller.deploy(spec)
@@ -250,7 +265,7 @@ async def test_workers_named_by_name_or_id_and_what_cannot_be_planned(
     for worker_id, name in (("a-1", "a"), ("b-1", "b"), ("b-2", "b")):
         registry.add(worker_connection(name, ram_bytes=8 * GIB, worker_id=worker_id))
     controller = Deployments(
-        registry, specs(tmp_path), FakeTunnels(), lambda source: model_path, pin=router_pin
+        registry, specs(tmp_path), FakeTunnels(), ModelSources(model_path.parent), pin=router_pin
     )
 
     def spec(name: str, workers: tuple[str, ...]) -> DeploymentSpec:
@@ -286,7 +301,7 @@ async def test_a_worker_named_by_name_that_restarts_with_a_new_id_is_used_again(
     a, b = (worker_connection(n, ram_bytes=8 * GIB, worker_id=f"{n}-1") for n in "ab")
     registry.add(a), registry.add(b)
     controller = Deployments(
-        registry, specs(tmp_path), FakeTunnels(), lambda source: model_path, pin=router_pin
+        registry, specs(tmp_path), FakeTunnels(), ModelSources(model_path.parent), pin=router_pin
     )
     spec = DeploymentSpec("split", str(model_path), 1024, Strategy.BALANCED, ("a", "b"), "relayed")
     await controller.deploy(spec)
@@ -353,9 +368,7 @@ async def test_head_and_stages_are_told_the_one_file_the_router_pinned(
         pins.append(source)
         return PINNED
 
-    controller = Deployments(
-        registry, specs(tmp_path), FakeTunnels(), lambda source: model_path, pin=pin
-    )
+    controller = Deployments(registry, specs(tmp_path), FakeTunnels(), OneFile(model_path), pin=pin)
     spec = DeploymentSpec(
         "big", "llama-3.3-70b-instruct", 1024, Strategy.BALANCED, ("a", "b", "c"), "relayed"
     )
@@ -383,9 +396,7 @@ async def test_a_file_that_cannot_be_pinned_leaves_the_deployment_pending(
     def pin(source: str) -> ModelFile:
         raise ModelError("gone from the cache")
 
-    controller = Deployments(
-        registry, specs(tmp_path), FakeTunnels(), lambda source: model_path, pin=pin
-    )
+    controller = Deployments(registry, specs(tmp_path), FakeTunnels(), OneFile(model_path), pin=pin)
     spec = DeploymentSpec("big", "x", 1024, Strategy.BALANCED, ("a", "b"), "relayed")
     await controller.deploy(spec)
     d = controller.items["big"]
@@ -409,3 +420,38 @@ async def test_rebalance_redeploys_when_only_the_devices_change(
     controller.rebalance("split")
     assert d.state is DeploymentState.PENDING and d.detail == "rebalancing"
     assert [m for m in sent(b) if isinstance(m, ShardStop)]
+
+
+async def test_a_model_gone_when_planned_again_is_looked_for_again_later(
+    model_path: Path, tmp_path: Path
+) -> None:
+    """Every attempt finds the model afresh (``sources``): one gone (a file deleted, a store
+    down) leaves the deployment pending, saying why, and looked for again after a while."""
+    copy = tmp_path / "moving.gguf"
+    os.link(model_path, copy)
+    registry = Registry()
+    a, b = (connect(registry, n) for n in "ab")
+    controller = Deployments(
+        registry, specs(tmp_path), FakeTunnels(), ModelSources(tmp_path), pin=router_pin
+    )
+    spec = DeploymentSpec("moving", str(copy), 1024, Strategy.BALANCED, None, "relayed")
+    await controller.deploy(spec)
+    d = controller.items["moving"]
+    assert d.state is DeploymentState.STARTING
+    copy.unlink()
+    registry.remove(b)
+    controller.on_lost(b)
+    d.retry_at = 0.0
+    task = asyncio.create_task(controller.run())
+    try:
+        async with asyncio.timeout(5):
+            while d.state is not DeploymentState.PENDING:
+                await asyncio.sleep(0.01)
+        assert "cannot read" in d.detail and "moving.gguf" in d.detail
+        assert d.retry_at > time.monotonic() + LOCATE_RETRY_S / 2  # not at every event
+        assert "moving" not in controller.located
+    finally:
+        task.cancel()
+    os.link(model_path, copy)
+    await started_again(controller, d)
+    assert [s.worker_id for s in d.shards] == ["a"]

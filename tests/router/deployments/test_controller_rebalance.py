@@ -29,6 +29,7 @@ from shoal.router.deployments.deployment import (
     TunnelBytes,
 )
 from shoal.router.deployments.placement import Strategy
+from shoal.router.deployments.sources import ModelSources
 from shoal.router.deployments.views import link_json
 from shoal.router.dispatch.job import Job
 from shoal.router.dispatch.workers import Registry, WorkerConnection
@@ -44,7 +45,7 @@ async def serving(
         registry,
         specs(folder),
         FakeTunnels(),
-        lambda source: model_path,
+        ModelSources(model_path.parent),
         pin=router_pin,
         rebalance_quiet_s=quiet_s,
     )

@@ -17,6 +17,7 @@ from shoal.router.deployments.controller import Deployments
 from shoal.router.deployments.deployment import DeploymentSpec, DeploymentState
 from shoal.router.deployments.leases import DeploymentLeases
 from shoal.router.deployments.placement import Strategy
+from shoal.router.deployments.sources import ModelSources
 from shoal.router.deployments.store import DeploymentStore
 from shoal.router.dispatch.workers import Registry
 
@@ -49,7 +50,7 @@ async def test_a_read_that_overlaps_an_undeploy_here_is_not_applied(model_path: 
     spec = DeploymentSpec("split", str(model_path), 1024, Strategy.BALANCED, None, "relayed")
     store = SlowStore([spec])
     controller = Deployments(
-        Registry(), store, FakeTunnels(), lambda source: model_path, pin=router_pin
+        Registry(), store, FakeTunnels(), ModelSources(model_path.parent), pin=router_pin
     )
     store.release.set()
     await controller.load()
@@ -82,7 +83,12 @@ async def test_a_failing_database_does_not_stop_the_splits_this_router_runs(
     try:
         leases = DeploymentLeases(client, redis_prefix, "router-a", ttl_s=0.5)
         controller = Deployments(
-            registry, specs(tmp_path), FakeTunnels(), lambda s: model_path, leases, pin=router_pin
+            registry,
+            specs(tmp_path),
+            FakeTunnels(),
+            ModelSources(model_path.parent),
+            leases,
+            pin=router_pin,
         )
         spec = DeploymentSpec("split", str(model_path), 1024, Strategy.BALANCED, None, "relayed")
         await controller.deploy(spec)

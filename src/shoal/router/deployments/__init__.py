@@ -23,9 +23,10 @@ its search in ``placement_search``), ``profile`` (a GGUF → the planner's profi
 The rest runs in the router, which owns the workers' connections: ``controller`` (the loop
 that deploys and heals), ``moves`` (when a serving deployment moves to a better plan: the
 joins, the judgement, the answers to finish first), ``shards`` (what starts and stops a
-deployment's shards on the workers, in order), ``nodes`` (which workers a plan is made
-over), ``store`` (the deployments in the router's database), ``leases`` + ``sharing`` (which
-router runs each deployment when several share Redis), ``tunnels`` (the RPC tunnel hub, told
-about workers) and ``views`` (the status JSON). The HTTP API is
-``router/routes/deployments.py``.
+deployment's shards on the workers, in order), ``sources`` (where a deployment's model is: the
+router's copy, its own store or a ``--model-store``, read by the header alone), ``nodes``
+(which workers a plan is made over), ``store`` (the deployments in the router's database),
+``leases`` + ``sharing`` (which router runs each deployment when several share Redis),
+``tunnels`` (the RPC tunnel hub, told about workers) and ``views`` (the status JSON). The HTTP
+API is ``router/routes/deployments.py``.
 """

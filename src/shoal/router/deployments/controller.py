@@ -5,8 +5,10 @@ by polling: an API call, a worker joining or leaving, a ``ShardStatus`` from a w
 retry time of a deployment that failed. ``run()`` waits for the next of them and then
 reconciles every deployment:
 
-* PENDING / DEGRADED (once its retry time has come): plan over the connected workers from
-  the GGUF (``profile``); if it fits, pin the file planned with (``pin``: head and stages
+* PENDING / DEGRADED (once its retry time has come): find the model (``sources``: the
+  router's copy, or a model store's header, read afresh so a changed file is planned anew)
+  and plan over the connected workers from its GGUF structure (``profile``); if it fits, pin
+  the file planned with (``pin``, or the store and sha256 it was found with: head and stages
   then use that one file, not each its own choice of quantization), start a stage
   (``ggml-rpc-server``) on every shard but the first, and go STARTING; otherwise stay
   PENDING with the shortfall.
@@ -46,10 +48,10 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, Protocol
 
-from shoal.models.gguf_info import inspect_cached
+from shoal.models.errors import ModelError
+from shoal.models.gguf_info import GGUFInfo
 from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import (
     ModelFile,
@@ -79,6 +81,7 @@ from shoal.router.deployments.shards import (
     shard_views,
 )
 from shoal.router.deployments.sharing import Sharing
+from shoal.router.deployments.sources import Located
 from shoal.router.deployments.views import deployment_view
 from shoal.router.dispatch.workers import Registry, WorkerConnection
 
@@ -97,6 +100,9 @@ DRAIN_TIMEOUT_S = 300.0
 the head: their clients get the error a lost worker gives)."""
 DRAIN_CHECK_S = 0.25
 """How often a draining deployment looks whether its head's answers have ended."""
+LOCATE_RETRY_S = 10.0
+"""A deployment whose model could not be found (a store down, a file gone) looks again after
+this long, or at the next event."""
 
 
 class Specs(Protocol):
@@ -109,6 +115,12 @@ class Specs(Protocol):
     def delete(self, name: str) -> bool: ...
 
 
+class Sources(Protocol):
+    """Where a deployment's model is and its structure (``sources.ModelSources``)."""
+
+    async def locate(self, source: str) -> Located: ...
+
+
 class DeploymentError(Exception):
     """A deploy request that cannot be accepted (unknown model, bad worker list)."""
 
@@ -119,23 +131,24 @@ class Deployments:
         registry: Registry,
         store: Specs,
         tunnels: Tunnels,
-        resolve: Callable[[str], Path],
+        sources: Sources,
         leases: DeploymentLeases | None = None,
         *,
         pin: Callable[[str], ModelFile | None],
         rebalance_quiet_s: float = REBALANCE_QUIET_S,
     ) -> None:
-        """``resolve``: a model source -> the GGUF on the router (blocking; raises
-        ``ModelError``), for planning. ``pin``: a model source -> the exact file every shard
-        must use (``pin.pin_model``; None: a path or store id, used as it is; blocking).
-        ``leases``: shared with other routers (None: this router runs every deployment).
+        """``sources``: a model source -> its structure and where it is (raises
+        ``ModelError``), for planning. ``pin``: a catalog id or path -> the exact file every
+        shard must use (``pin.pin_model``; None: a path, used as it is; blocking). ``leases``:
+        shared with other routers (None: this router runs every deployment).
         ``rebalance_quiet_s``: how long after the last worker joined a serving deployment is
         judged for a rebalance."""
         self.registry = registry
         self.store = store
         self.tunnels = tunnels
-        self.resolve = resolve
+        self.sources = sources
         self.pin = pin
+        self.located: dict[str, Located] = {}  # by deployment name, as last found
         self.shards = Shards(registry, tunnels)
         self.sharing = Sharing(leases) if leases is not None else None
         self.items: dict[str, Deployment] = {}
@@ -144,7 +157,7 @@ class Deployments:
         self._kv_per_layer: dict[str, int] = {}  # for reading layer counts from placements
         self._n_layers: dict[str, int] = {}
         self._wake = asyncio.Event()
-        self.moves = Moves(registry, resolve, rebalance_quiet_s)
+        self.moves = Moves(registry, self._info, rebalance_quiet_s)
         registry.listen(self._on_worker_changed)
 
     # ------------------------------------------------------------ API side
@@ -160,7 +173,7 @@ class Deployments:
 
     async def deploy(self, spec: DeploymentSpec) -> Deployment:
         """Accept and persist a deployment; it starts as soon as a plan fits."""
-        await asyncio.to_thread(self.resolve, spec.source)  # raises for an unknown model
+        located = await self.sources.locate(spec.source)  # raises for an unknown model
         old = self.items.get(spec.name)
         if old is None and len(self.items) >= MAX_DEPLOYMENTS:
             raise DeploymentError(
@@ -177,7 +190,14 @@ class Deployments:
             self.shards.stop(old, "redeployed with new settings")
         deployment = Deployment(spec)
         self.items[spec.name] = deployment
-        log.info("deployment %s of %s accepted (%s mode)", spec.name, spec.source, spec.mode)
+        self.located[spec.name] = located
+        log.info(
+            "deployment %s of %s (%s) accepted (%s mode)",
+            spec.name,
+            spec.source,
+            located.where(),
+            spec.mode,
+        )
         if self._runs(deployment):
             self._reconcile(deployment, time.monotonic())
         self.wake()
@@ -189,6 +209,7 @@ class Deployments:
         deployment = self.items.pop(name, None)
         if deployment is None:
             return None
+        self.located.pop(name, None)
         with self._editing():
             await asyncio.to_thread(self.store.delete, name)
         self.shards.stop(deployment, "undeployed")
@@ -305,6 +326,10 @@ class Deployments:
             now = time.monotonic()
             mine = [d for d in self.items.values() if self._runs(d)]
             for d in mine:
+                if _starts(d, now):
+                    await self._locate(d)
+                    if self.items.get(d.name) is not d:
+                        continue  # undeployed or replaced while its model was looked up
                 self._reconcile(d, now)
             waits = [t - now for d in mine for t in (d.retry_at, d.rebalance_at) if t > now]
             try:
@@ -340,11 +365,13 @@ class Deployments:
         stored = {s.name: s for s in specs}
         for name in [n for n in self.items if n not in stored]:
             self.shards.stop(self.items.pop(name), "undeployed on another router")
+            self.located.pop(name, None)
         for name, spec in stored.items():
             old = self.items.get(name)
             if old is None or _settings(old.spec) != _settings(spec):
                 if old is not None:
                     self.shards.stop(old, "redeployed with new settings on another router")
+                self.located.pop(name, None)  # found again before it is planned
                 self.items[name] = Deployment(spec)
                 self.wake()
 
@@ -354,14 +381,14 @@ class Deployments:
             self.shards.stop(d, why)
             d.move(DeploymentState.PENDING, why)
 
-    def fits_here(self, d: Deployment) -> bool:
+    async def fits_here(self, d: Deployment) -> bool:
         """Whether ``d`` could be planned over this router's workers now (no side effects)."""
         nodes = deployment_nodes(self.registry, d.spec.workers)
         if isinstance(nodes, str):
             return False
         try:
-            info = inspect_cached(self.resolve(d.spec.source))
-        except Exception:  # an unreadable model fits nowhere; _plan says why where it runs
+            info = (await self.sources.locate(d.spec.source)).info
+        except ModelError:  # a model not found fits nowhere; _plan says why where it runs
             return False
         return isinstance(plan_for(info, nodes, d.spec.ctx, d.spec.strategy).result, Plan)
 
@@ -378,7 +405,7 @@ class Deployments:
                 self._drain(d, f"rebalancing: {why}")
         if d.state is DeploymentState.DRAINING and now >= d.retry_at:
             self._drain_step(d, now)
-        if d.state in (DeploymentState.PENDING, DeploymentState.DEGRADED) and now >= d.retry_at:
+        if _starts(d, now):
             self._start(d)
 
     # ------------------------------------------------------------ rebalancing
@@ -410,6 +437,24 @@ class Deployments:
 
     # ------------------------------------------------------------ planning and starting
 
+    async def _locate(self, d: Deployment) -> None:
+        """Find ``d``'s model again before it is planned: the router's file may have changed,
+        a store may hold another version (or be down: the deployment waits, saying why)."""
+        try:
+            located = await self.sources.locate(d.spec.source)
+            if self.items.get(d.name) is d:
+                self.located[d.name] = located
+            return
+        except ModelError as exc:  # the file went away or the store is down: keep the deployment
+            why = str(exc)
+        except Exception as exc:  # a damaged file: say so, keep the deployment
+            why = repr(exc)
+        if self.items.get(d.name) is not d:
+            return
+        self.located.pop(d.name, None)
+        self._pending(d, f"cannot read {d.spec.source}: {why}")
+        d.retry_at = time.monotonic() + LOCATE_RETRY_S  # a store back up is found unasked
+
     def _plan(self, d: Deployment, give_back: Plan | None = None) -> Planned | None:
         """A plan for ``d`` over the workers there are, counting the memory ``give_back``
         (a plan ``d`` serves or served) holds as free."""
@@ -418,12 +463,15 @@ class Deployments:
             return None
         if give_back is not None:
             nodes = reclaimed(nodes, give_back)
-        try:
-            info = inspect_cached(self.resolve(d.spec.source))
-        except Exception as exc:  # the file went away or broke: say so, keep the deployment
-            self._pending(d, f"cannot read {d.spec.source}: {exc}")
+        located = self.located.get(d.name)
+        if located is None:  # not looked up yet (``_locate`` says why when it fails)
             return None
-        return plan_for(info, nodes, d.spec.ctx, d.spec.strategy)
+        return plan_for(located.info, nodes, d.spec.ctx, d.spec.strategy)
+
+    def _info(self, d: Deployment) -> GGUFInfo | None:
+        """The structure of ``d``'s model as last found (None: not found yet)."""
+        located = self.located.get(d.name)
+        return located.info if located is not None else None
 
     def _nodes(self, d: Deployment) -> list[Node] | None:
         nodes = deployment_nodes(self.registry, d.spec.workers)
@@ -444,8 +492,11 @@ class Deployments:
         if (why := too_many_devices(result)) is not None:
             self._pending(d, why)
             return
+        located = self.located[d.name]
         try:
-            d.file = self.pin(d.spec.source)  # the file planned with: every shard uses it
+            # the file planned with: every shard uses it (a store's: that store, that sha256)
+            d.store = located.store
+            d.file = self.pin(d.spec.source) if located.store is None else None
         except Exception as exc:  # the file went away or broke: say so, keep the deployment
             self._pending(d, f"cannot pin {d.spec.source}: {exc}")
             return
@@ -502,6 +553,12 @@ class Deployments:
 def _settings(spec: DeploymentSpec) -> DeploymentSpec:
     """What a deployment asks for, without when (as read back from the database)."""
     return dataclasses.replace(spec, created_at=0.0)
+
+
+def _starts(d: Deployment, now: float) -> bool:
+    """Whether ``d`` is to be planned and started now."""
+    waiting = d.state in (DeploymentState.PENDING, DeploymentState.DEGRADED)
+    return waiting and now >= d.retry_at
 
 
 def _backoff(attempts: int) -> float:

@@ -28,7 +28,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from shoal.lifecycle import Transitions
-from shoal.protocol.messages import DevicePlacement, ModelFile, SeedReport, ShardRole, ShardState
+from shoal.protocol.messages import (
+    DevicePlacement,
+    ModelFile,
+    SeedReport,
+    ShardRole,
+    ShardState,
+    StoreFile,
+)
 from shoal.router.deployments.placement import Plan, Strategy
 
 log = logging.getLogger(__name__)
@@ -154,6 +161,8 @@ class Deployment:
     plan: Plan | None = None
     file: ModelFile | None = None
     """The exact file the current attempt's shards use (``pin``; None: a path or store id)."""
+    store: StoreFile | None = None
+    """The model store and version the current attempt's shards fetch (None: not a store's)."""
     shards: list[ShardView] = field(default_factory=list)
     attempts: int = 0
     """Deploy attempts since it last served (for the retry backoff)."""

@@ -14,9 +14,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 
-from shoal.models.gguf_info import inspect_cached
+from shoal.models.gguf_info import GGUFInfo
 from shoal.protocol.ids import WorkerId
 from shoal.router.deployments.deployment import Deployment, DeploymentState
 from shoal.router.deployments.nodes import deployment_nodes
@@ -29,9 +28,15 @@ log = logging.getLogger(__name__)
 
 
 class Moves:
-    def __init__(self, registry: Registry, resolve: Callable[[str], Path], quiet_s: float) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        info: Callable[[Deployment], GGUFInfo | None],
+        quiet_s: float,
+    ) -> None:
+        """``info``: a deployment's model's structure as the controller last found it."""
         self.registry = registry
-        self.resolve = resolve
+        self.info = info
         self.quiet_s = quiet_s
         self.joining: set[WorkerId] = set()
         """Workers that registered before their backend was ready: they join when it is."""
@@ -79,10 +84,9 @@ class Moves:
             log.debug("deployment %s: no rebalance: %s not ready", d.name, ", ".join(away))
             return None
         nodes = reclaimed(nodes, d.plan)
-        try:
-            info = inspect_cached(self.resolve(d.spec.source))
-        except Exception as exc:  # unreadable now: it keeps serving; a redeploy would say why
-            log.debug("deployment %s: no rebalance: cannot read the model: %s", d.name, exc)
+        info = self.info(d)
+        if info is None:  # not found now: it keeps serving; a redeploy would say why
+            log.debug("deployment %s: no rebalance: its model is not found", d.name)
             return None
         new = plan_for(info, nodes, d.spec.ctx, d.spec.strategy).result
         why = None

@@ -1,7 +1,7 @@
 """A model's planner profile from its GGUF's structure, and the plans made from it (pure).
 
-The router plans on its own copy of the GGUF (the file it lists, or the model store's), read
-with ``models.gguf_info.inspect_cached``: ``profile_of`` derives per-layer weights and KV
+The router plans on a GGUF's structure (``sources``: its own copy, or a model store's header
+read by HTTP ``Range``): ``profile_of`` derives per-layer weights and KV
 bytes from it; ``plan_for`` turns it into a plan over nodes at a context size.
 """
 

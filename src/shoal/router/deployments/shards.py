@@ -112,6 +112,7 @@ class Shards:
         d.shards = []
         d.plan = None
         d.file = None
+        d.store = None
 
     def _send(self, worker_id: str, msg: ShardStart) -> None:
         worker = self.registry.get(WorkerId(worker_id))
@@ -143,6 +144,7 @@ def shard_start(d: Deployment, role: ShardRole) -> ShardStart:
         model=ModelName(d.name),
         source=d.spec.source,
         file=d.file,
+        store=d.store,
         ctx_size=d.plan.ctx if d.plan else d.spec.ctx,
         slots=d.spec.slots,
         direct=d.spec.mode == "direct",

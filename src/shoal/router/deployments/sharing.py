@@ -39,7 +39,7 @@ class Here(Protocol):
         """Take in the stored deployments (added, changed or removed elsewhere)."""
         ...
 
-    def fits_here(self, d: Deployment) -> bool: ...
+    async def fits_here(self, d: Deployment) -> bool: ...
 
     def lose(self, name: str, why: str) -> None:
         """Stop running ``name`` here."""
@@ -93,7 +93,7 @@ class Sharing:
         leases = self.leases
         for name, d in list(here.items.items()):
             if name in self.mine:
-                if d.state is DeploymentState.PENDING and not here.fits_here(d):
+                if d.state is DeploymentState.PENDING and not await here.fits_here(d):
                     self.mine.discard(name)  # waiting for workers: let a router that has them
                     await leases.release(name)
                     continue
@@ -105,7 +105,7 @@ class Sharing:
                     await leases.publish(name, here.view(d))
             elif (
                 name not in self.elsewhere
-                and here.fits_here(d)
+                and await here.fits_here(d)
                 and await leases.hold(name) == leases.router
             ):
                 self.mine.add(name)

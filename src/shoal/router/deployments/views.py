@@ -31,6 +31,7 @@ def deployment_view(
         "name": d.name,
         "model": d.spec.source,
         "file": d.file.model_dump() if d.file is not None else None,
+        "store": d.store.model_dump() if d.store is not None else None,
         "state": d.state.value,
         "detail": d.detail,
         "mode": d.spec.mode,

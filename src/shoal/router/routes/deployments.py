@@ -10,7 +10,6 @@ in the background and ``status`` follows them.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from typing import Any, Literal
 
@@ -18,9 +17,8 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
-from shoal.models.errors import ModelError
-from shoal.models.gguf_info import GGUFInfo, inspect_cached
-from shoal.models.resolve import resolve_model
+from shoal.models.errors import ModelError, StoreUnreachable
+from shoal.models.gguf_info import GGUFInfo
 from shoal.models.stage_tensors import stage_tensors
 from shoal.protocol.ids import WorkerId
 from shoal.router.deployments.controller import DeploymentError, Deployments
@@ -29,9 +27,10 @@ from shoal.router.deployments.launch import head_launch, stage_devices, too_many
 from shoal.router.deployments.nodes import planning_nodes
 from shoal.router.deployments.placement import NoFit, Shard, Strategy
 from shoal.router.deployments.profile import plan_for
+from shoal.router.deployments.sources import Located
 from shoal.router.deployments.views import device_json, held_json
 from shoal.router.dispatch.worker_names import UnknownWorkers, resolve_workers
-from shoal.router.errors import BadRequest, Conflict, ModelNotFound, NotFound
+from shoal.router.errors import BadRequest, Conflict, ModelNotFound, NotFound, StoreUnavailable
 from shoal.router.routes.common import json_response
 from shoal.router.routes.context import context
 
@@ -41,7 +40,10 @@ router = APIRouter()
 class PlanRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(description="A known model id or the path of a .gguf file on the router.")
+    model: str = Field(
+        description="A known model id, the path of a .gguf file on the router, or the id of a "
+        "model in a model store the router is given (--storage, --model-store)."
+    )
     workers: list[str] | None = Field(
         None,
         description="Worker names or ids in shard order (the first is the head: runs "
@@ -54,7 +56,10 @@ class PlanRequest(BaseModel):
 class DeployRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(description="A model id the router knows, or the path of a .gguf file.")
+    model: str = Field(
+        description="A model id the router knows, the path of a .gguf file, or the id of a "
+        "model in a model store the router is given (--storage, --model-store)."
+    )
     name: str | None = Field(
         None, description="Public name to serve it under (default: the model id)."
     )
@@ -94,15 +99,17 @@ async def plan_pipeline(request: Request, body: PlanRequest) -> Response:
     """Dry run: the layer split over workers for a model at a context size, as JSON."""
     ctx = context(request)
     await ctx.keys.admin(request.headers)
-    try:
-        local = resolve_model(body.model, ctx.settings.cache_dir, download=False)
-    except ModelError as exc:
-        raise ModelNotFound(str(exc), param="model") from None
-    info = await asyncio.to_thread(inspect_cached, local.path)
+    located = await _locate(ctx.deployments, body.model)
+    info = located.info
     nodes = planning_nodes(ctx.registry, body.workers)
     planned = plan_for(info, nodes, body.ctx, body.strategy)
     cells, result = planned.cells, planned.result
-    answer: dict[str, Any] = {"model": local.id, "n_layers": info.n_layers, "ctx": cells}
+    answer: dict[str, Any] = {
+        "model": located.id,
+        "store": located.store.model_dump() if located.store is not None else None,
+        "n_layers": info.n_layers,
+        "ctx": cells,
+    }
     if isinstance(result, NoFit):
         answer.update(
             fits=False,
@@ -175,6 +182,8 @@ async def deploy(request: Request, body: DeployRequest) -> Response:
     controller = _controller(request)
     try:
         await controller.deploy(spec)
+    except StoreUnreachable as exc:
+        raise StoreUnavailable(str(exc), param="model") from None
     except ModelError as exc:
         raise ModelNotFound(str(exc), param="model") from None
     except DeploymentError as exc:
@@ -208,6 +217,17 @@ async def rebalance(request: Request, body: RebalanceRequest) -> Response:
         raise NotFound(_unknown(controller, body.name), param="name")
     chosen = controller.rebalance(body.name)
     return json_response({"object": "list", "data": [_one(controller, d.name) for d in chosen]})
+
+
+async def _locate(controller: Deployments, model: str) -> Located:
+    """``model`` on the router or in a model store; 404 when nowhere, 503 when a store that
+    might have it could not be asked."""
+    try:
+        return await controller.sources.locate(model)
+    except StoreUnreachable as exc:
+        raise StoreUnavailable(str(exc), param="model") from None
+    except ModelError as exc:
+        raise ModelNotFound(str(exc), param="model") from None
 
 
 def _one(controller: Deployments, name: str) -> dict[str, object]:

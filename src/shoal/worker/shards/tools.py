@@ -24,7 +24,7 @@ from shoal.protocol.shards import ShardStart
 from shoal.units import GIB
 from shoal.worker import hardware
 from shoal.worker.settings import WorkerSettings
-from shoal.worker.text.plan import local_model, pinned_model, stage_source
+from shoal.worker.text.plan import local_model, pinned_model, stage_source, store_model
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,8 @@ def shard_tools(
     own = settings.model_copy(update={"model_path": None})  # a head loads what it is told
 
     def resolve(spec: ShardStart) -> Path:
+        if spec.store is not None:
+            return store_model(own, spec.store)
         if spec.file is not None:
             return pinned_model(own, spec.file, machine)
         return local_model(own, spec.source, machine).path

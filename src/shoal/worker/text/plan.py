@@ -41,7 +41,14 @@ from shoal.models.store_client import (
 )
 from shoal.paths import logs_dir, models_dir
 from shoal.protocol.ids import ModelName
-from shoal.protocol.messages import AGENT_ENDPOINTS, Endpoint, ModelFile, ModelInfo, ShardStart
+from shoal.protocol.messages import (
+    AGENT_ENDPOINTS,
+    Endpoint,
+    ModelFile,
+    ModelInfo,
+    ShardStart,
+    StoreFile,
+)
 from shoal.worker import hardware
 from shoal.worker.settings import WorkerSettings
 from shoal.worker.text.llama_server import LlamaServerConfig
@@ -303,6 +310,11 @@ def stage_source(
     assert spec.layers is not None
     first, last = spec.layers
     at_hand = settings.model_copy(update={"offline": True})
+    if spec.store is not None:  # the store the router found it in, the version it planned
+        found = _for_store(settings, spec.store)
+        sliced = layer_slice(found, spec.store.id, first, last, spec.store.sha256)
+        assert sliced is not None  # a model_store is set
+        return sliced, "store"
     if spec.file is None:
         sliced = layer_slice(settings, spec.source, first, last)
         if sliced is not None:
@@ -318,10 +330,13 @@ def stage_source(
     return part.path, "hub"
 
 
-def layer_slice(settings: WorkerSettings, model: str, first: int, last: int) -> Path | None:
+def layer_slice(
+    settings: WorkerSettings, model: str, first: int, last: int, sha256: str | None = None
+) -> Path | None:
     """Only what layers ``first..last`` need of a model-store model, as a sparse GGUF of full
     size (the store's pull plan: header, those layers, and the output layer with the last);
-    None when the model does not come from the store. A slice once fetched is kept. Blocking.
+    None when the model does not come from the store. A slice once fetched is kept.
+    ``sha256``: the version wanted (another on the store is refused). Blocking.
     """
     if settings.model_store is None or model.lower().endswith(".gguf"):
         return None
@@ -333,6 +348,11 @@ def layer_slice(settings: WorkerSettings, model: str, first: int, last: int) -> 
 
     async def fetch() -> Path:
         plan = await request_pull(base, model, first, last, api_key=key, tls=tls)
+        if sha256 is not None and plan.sha256 != sha256:
+            raise ModelError(
+                f"model {plan.id} on the store at {base} has sha256 {plan.sha256}, not the "
+                f"{sha256} the router planned with: it changed; deploy it again."
+            )
         dest = models_dir(settings.cache_dir) / "store-layers"
         dest = dest / f"{plan.sha256[:16]}-layers-{first}-{last}.gguf"
         if not dest.exists():  # fetch_ranges renames it into place only once complete
@@ -341,6 +361,38 @@ def layer_slice(settings: WorkerSettings, model: str, first: int, last: int) -> 
         return dest
 
     return asyncio.run(fetch())
+
+
+def store_model(settings: WorkerSettings, store: StoreFile) -> Path:
+    """A split model's whole file from the model store the router found it in, the version it
+    planned with (sha256, checked); resumable like every store download, or read from
+    ``--model-store-mount`` when that store is the worker's own. Blocking."""
+    found = _for_store(settings, store)
+    mounted = _mounted(found, store.id)
+    if mounted is not None:
+        return mounted
+    key, tls = _store_access(settings)
+    base = store_base(settings, store)
+    dest = models_dir(settings.cache_dir) / "store"
+    fetch = fetch_from_store(base, store.id, dest, api_key=key, tls=tls, sha256=store.sha256)
+    return asyncio.run(fetch)
+
+
+def _for_store(settings: WorkerSettings, store: StoreFile) -> WorkerSettings:
+    """``settings`` with ``store``'s URL as the model store; ``--model-store-mount`` kept only
+    when that is the worker's own ``--model-store`` (the mount is that store's folder)."""
+    base = store_base(settings, store)
+    own = settings.model_store is not None and settings.model_store.rstrip("/") == base
+    mount = settings.model_store_mount if own else None
+    return settings.model_copy(update={"model_store": base, "model_store_mount": mount})
+
+
+def store_base(settings: WorkerSettings, store: StoreFile) -> str:
+    """The store's URL; for the router's own (``--storage``), the first router's as HTTP(S)."""
+    if store.url is not None:
+        return store.url
+    dialed = settings.ws_urls[0].removesuffix("/ws/worker")
+    return "http" + dialed.removeprefix("ws")
 
 
 def _store_access(settings: WorkerSettings) -> tuple[str | None, ssl.SSLContext]:

@@ -24,6 +24,7 @@ import httpx
 import psutil
 
 import http_calls
+from certs import Certs
 
 MODEL = "smollm2-135m-instruct"
 API_KEY = "sk-test-inference"
@@ -299,6 +300,31 @@ class Cluster:
         """A `shoal data` model store, on this cluster's key database (as its routers are)."""
         return self._proc("data", list(args), clean_env())
 
+    def key(self, scope: str) -> str:
+        """A new key of ``scope`` (admin, worker, ...) in this cluster's key database."""
+        return keys_cli(self.database_url, "create", "--scope", scope).splitlines()[-1].strip()
+
+    def tls_store(self, certs: Certs, storage: Path, *args: str) -> tuple[Proc, str]:
+        """`shoal data` over HTTPS on this cluster's key database, once it answers; its URL."""
+        port = free_port()
+        proc = self.data(
+            *("--storage", str(storage), "--port", str(port)),
+            *("--tls-cert", str(certs.cert), "--tls-key", str(certs.key), *args),
+        )
+        url = f"https://127.0.0.1:{port}"
+        trusting = ssl.create_default_context(cafile=certs.ca)
+
+        def up() -> bool:
+            assert proc.alive(), proc.log()[-3000:]
+            try:
+                r = http_calls.get(url + STORE_REGISTRY, verify=trusting, timeout=2)
+                return r.status_code > 0
+            except OSError:
+                return False
+
+        wait_until(up, 30, "the store to answer over HTTPS")
+        return proc, url
+
     def pull_worker(
         self,
         redis_url: str,
@@ -331,6 +357,24 @@ class Cluster:
 
 
 KEYS_CLI_TIMEOUT_S = 60
+STORE_REGISTRY = "/api/v1/models/registry"
+UPLOAD_CLI_TIMEOUT_S = 120
+
+
+def upload_cli(
+    url: str, path: Path, key: str, ca: Path, *args: str
+) -> subprocess.CompletedProcess[str]:
+    """`shoal data upload` as a user runs it (the CA from its variable, SHOAL_TLS_CA)."""
+    return subprocess.run(
+        [sys.executable, "-m", "shoal", "data", "upload", str(path), "--store", url, "--key", key]
+        + list(args),
+        capture_output=True,
+        text=True,
+        timeout=UPLOAD_CLI_TIMEOUT_S,
+        env=clean_env(SHOAL_TLS_CA=str(ca)),
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
 
 
 def keys_cli(database_url: str, *args: str) -> str:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import json
+from threading import Event
 
 import psutil
 
 import http_calls
-from cluster import Router
+from cluster import Router, iter_sse
 
 PROMPTS = [
     "Name three colours.",
@@ -36,6 +38,35 @@ def ask(router: Router, model: str, prompt: str) -> str:
     assert r.status_code == 200, r.text
     content: str = r.json()["choices"][0]["message"]["content"]
     return content
+
+
+def long_stream(
+    router: Router, model: str, first: Event, max_tokens: int = 1500
+) -> tuple[str, str | None, int]:
+    """A greedy stream of ``max_tokens`` tokens from ``model`` (long enough to span a
+    rebalance): its text, finish reason, chunks. ``first`` is set at the first chunk."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Count from one to one thousand in words."}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    text, finish, chunks = "", None, 0
+    with http_calls.stream(
+        "POST", router.url + "/v1/chat/completions", json=body, headers=router.headers, timeout=600
+    ) as r:
+        assert r.status_code == 200, r.read()
+        for data in iter_sse(r):
+            if data == "[DONE]":
+                break
+            choice = json.loads(data)["choices"][0]
+            text += choice["delta"].get("content") or ""
+            finish = choice.get("finish_reason") or finish
+            chunks += 1
+            first.set()
+    return text, finish, chunks
 
 
 def is_head(p: psutil.Process) -> bool:

@@ -12,51 +12,20 @@ nothing better to do answers 200 and leaves it serving.
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 from threading import Event
 
 import pytest
-from split_models import PROMPTS, ask, deployment
+from split_models import PROMPTS, ask, deployment, long_stream
 
 import http_calls
-from cluster import MODEL, Cluster, Router, iter_sse, wait_until
+from cluster import MODEL, Cluster, wait_until
 
 pytestmark = pytest.mark.e2e
 
 SMALL = str(200 / 1024)  # GiB: 200 MiB
 BIG = str(1000 / 1024)
 WORKER_ARGS = ("--slots", "1", "--ctx-size", "1024")
-
-
-def long_stream(router: Router, first: Event) -> tuple[str, str | None, int]:
-    """A greedy stream of many tokens from the split model: its text, finish reason, chunks."""
-    body = {
-        "model": "smol-split",
-        "messages": [{"role": "user", "content": "Count from one to one thousand in words."}],
-        "max_tokens": 1500,
-        "ignore_eos": True,
-        "temperature": 0,
-        "stream": True,
-    }
-    text, finish, chunks = "", None, 0
-    with http_calls.stream(
-        "POST",
-        router.url + "/v1/chat/completions",
-        json=body,
-        headers=router.headers,
-        timeout=600,
-    ) as r:
-        assert r.status_code == 200, r.read()
-        for data in iter_sse(r):
-            if data == "[DONE]":
-                break
-            choice = json.loads(data)["choices"][0]
-            text += choice["delta"].get("content") or ""
-            finish = choice.get("finish_reason") or finish
-            chunks += 1
-            first.set()
-    return text, finish, chunks
 
 
 def test_a_joining_worker_rebalances_the_split_while_a_stream_runs(cluster: Cluster) -> None:
@@ -89,7 +58,7 @@ def test_a_joining_worker_rebalances_the_split_while_a_stream_runs(cluster: Clus
 
     first = Event()
     with ThreadPoolExecutor(1) as pool:
-        streaming = pool.submit(long_stream, router, first)
+        streaming = pool.submit(long_stream, router, "smol-split", first)
         assert first.wait(60), "the stream never started"
         cluster.worker(router, *WORKER_ARGS, "--shard-ram", BIG, name="r3")
         draining = wait_until(

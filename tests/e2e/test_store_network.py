@@ -10,8 +10,6 @@ import os
 import shutil
 import socket
 import ssl
-import subprocess
-import sys
 from pathlib import Path
 
 import openai
@@ -19,13 +17,12 @@ import pytest
 
 import http_calls
 from certs import Certs, make_certs
-from cluster import API_KEY, Cluster, Proc, clean_env, free_port, keys_cli, wait_until
+from cluster import API_KEY, STORE_REGISTRY, Cluster, upload_cli, wait_until
 
 pytestmark = pytest.mark.e2e
 
 UPLOAD = "/api/v1/storage/upload"
-REGISTRY = "/api/v1/models/registry"
-CLI_TIMEOUT_S = 120
+REGISTRY = STORE_REGISTRY
 PARTIAL_BYTES = 8 << 20
 """What the broken upload sends before its connection goes."""
 
@@ -33,47 +30,6 @@ PARTIAL_BYTES = 8 << 20
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
     return make_certs(tmp_path_factory.mktemp("certs"))
-
-
-def _key(cluster: Cluster, scope: str) -> str:
-    return keys_cli(cluster.database_url, "create", "--scope", scope).splitlines()[-1].strip()
-
-
-def _tls_store(cluster: Cluster, certs: Certs, storage: Path, *args: str) -> tuple[Proc, str]:
-    """`shoal data` over HTTPS on the cluster's key database (SHOAL_DATABASE_URL)."""
-    port = free_port()
-    proc = cluster.data(
-        *("--storage", str(storage), "--port", str(port)),
-        *("--tls-cert", str(certs.cert), "--tls-key", str(certs.key), *args),
-    )
-    url = f"https://127.0.0.1:{port}"
-    trusting = ssl.create_default_context(cafile=certs.ca)
-
-    def up() -> bool:
-        assert proc.alive(), proc.log()[-3000:]
-        try:
-            return http_calls.get(url + REGISTRY, verify=trusting, timeout=2).status_code > 0
-        except OSError:
-            return False
-
-    wait_until(up, 30, "the store to answer over HTTPS")
-    return proc, url
-
-
-def _upload_cli(
-    url: str, path: Path, key: str, ca: Path, *args: str
-) -> subprocess.CompletedProcess[str]:
-    """`shoal data upload` as a user runs it (the CA from its variable, SHOAL_TLS_CA)."""
-    return subprocess.run(
-        [sys.executable, "-m", "shoal", "data", "upload", str(path), "--store", url, "--key", key]
-        + list(args),
-        capture_output=True,
-        text=True,
-        timeout=CLI_TIMEOUT_S,
-        env=clean_env(SHOAL_TLS_CA=str(ca)),
-        stdin=subprocess.DEVNULL,
-        check=False,
-    )
 
 
 def _broken_upload(url: str, ca: Path, key: str, data: bytes, sha: str) -> None:
@@ -97,8 +53,8 @@ def _broken_upload(url: str, ca: Path, key: str, data: bytes, sha: str) -> None:
 def test_a_store_over_tls_with_the_routers_key_database(
     cluster: Cluster, certs: Certs, model_path: Path, tmp_path: Path
 ) -> None:
-    admin, worker = _key(cluster, "admin"), _key(cluster, "worker")
-    store, url = _tls_store(cluster, certs, tmp_path / "store")
+    admin, worker = cluster.key("admin"), cluster.key("worker")
+    store, url = cluster.tls_store(certs, tmp_path / "store")
     trusting = ssl.create_default_context(cafile=certs.ca)
     data = model_path.read_bytes()
     sha = hashlib.sha256(data).hexdigest()
@@ -128,7 +84,7 @@ def test_a_store_over_tls_with_the_routers_key_database(
         "the store to keep the broken upload's bytes",
     )
     assert 0 < held <= PARTIAL_BYTES
-    done = _upload_cli(url, model_path, admin, certs.ca, "--id", "smol")
+    done = upload_cli(url, model_path, admin, certs.ca, "--id", "smol")
     assert done.returncode == 0, done.stderr
     assert f"stored smol: {len(data)} bytes, sha256 {sha} (verified, resumed at byte" in done.stdout
     assert file_bytes(tmp_path / "store" / "smol.gguf") == sha
@@ -155,14 +111,14 @@ def file_bytes(path: Path) -> str:
 def test_workers_fetch_over_tls_or_read_their_mount(
     cluster: Cluster, certs: Certs, model_path: Path, tmp_path: Path
 ) -> None:
-    worker_key = _key(cluster, "worker")
+    worker_key = cluster.key("worker")
     storage = tmp_path / "srv" / "models"
     storage.mkdir(parents=True)
     try:
         os.link(model_path, storage / "smol.gguf")
     except OSError:  # another file system: a copy serves as well
         shutil.copyfile(model_path, storage / "smol.gguf")
-    _, url = _tls_store(cluster, certs, storage, "--admin-key", "sk-store-admin")
+    _, url = cluster.tls_store(certs, storage, "--admin-key", "sk-store-admin")
     mount = tmp_path / "mnt" / "models"  # the same folder at another path, as NFS would
     mount.parent.mkdir()
     mount.symlink_to(storage, target_is_directory=True)

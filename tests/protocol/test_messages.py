@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from shoal.protocol.ids import JobId, ModelName
+from shoal.protocol.ids import JobId, ModelName, WorkerId
 from shoal.protocol.messages import (
     Chunk,
     Chunks,
@@ -11,7 +11,9 @@ from shoal.protocol.messages import (
     HeartbeatInterval,
     JobDone,
     JobStart,
+    LinkRtt,
     ModelFile,
+    ShardLinks,
     ShardRole,
     ShardStart,
     decode_chunk_items,
@@ -210,3 +212,20 @@ def test_a_heartbeat_interval_round_trips_and_must_be_positive() -> None:
         decode_router_message('{"type": "heartbeat_interval", "seconds": 0}')
     with pytest.raises(ValidationError):
         decode_router_message('{"type": "heartbeat_interval", "seconds": 5, "extra": 1}')
+
+
+def test_a_heads_link_report_sums_up_turnarounds_and_round_trips() -> None:
+    ns = [3_000_000, 1_000_000, 2_000_000, 10_000_000] + [2_500_000] * 6
+    rtt = LinkRtt.of(WorkerId("b"), ns)
+    assert rtt is not None
+    assert (rtt.median_ms, rtt.p90_ms, rtt.samples) == (2.5, 10.0, 10)
+    assert LinkRtt.of(WorkerId("b"), []) is None  # nothing answered yet: no figure
+    one = LinkRtt.of(WorkerId("c"), [1_234_567])
+    assert one is not None and (one.median_ms, one.p90_ms, one.samples) == (1.235, 1.235, 1)
+    report = ShardLinks(deployment="split", stages=(rtt, one))
+    assert decode_worker_message(encode(report)) == report
+    with pytest.raises(ValidationError):  # a figure always has a sample behind it
+        decode_worker_message(
+            '{"type": "shard_links", "deployment": "split", "stages": [{"worker_id": "b", '
+            '"median_ms": 1, "p90_ms": 1, "samples": 0}]}'
+        )

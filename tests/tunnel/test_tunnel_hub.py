@@ -89,6 +89,9 @@ async def test_head_connections_are_paired_with_stage_dial_backs(
         # each echo is a request and its reply: the hub timed at least one turnaround each (a
         # big one's reply starts while it is still being sent: a turnaround per chunk then)
         assert len(tunnel.turnarounds) >= len(payloads)
+        # and so did the head's end, from its side: each at least as long as the hub's part
+        head_times = sorted(head.turnarounds.copy())
+        assert len(head_times) >= len(payloads) and head_times[0] > 0
         assert rig.stage_errors == []
         rig.hub.close_tunnel(tunnel.id)
 

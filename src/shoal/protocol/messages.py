@@ -21,10 +21,12 @@ from shoal.protocol.base import Message
 from shoal.protocol.ids import JobId, ModelName, WorkerId
 from shoal.protocol.shards import (
     DevicePlacement,
+    LinkRtt,
     ModelFile,
     RpcPeer,
     SeedReport,
     ShardDevice,
+    ShardLinks,
     ShardRole,
     ShardStart,
     ShardState,
@@ -35,8 +37,9 @@ from shoal.protocol.shards import (
 )
 from shoal.protocol.telemetry import GpuSample
 
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
 """Bumped on any incompatible change; a router refuses workers that speak another version.
+16: ``ShardLinks`` (a serving head's RPC round trips to each stage, as the head timed them).
 15: ``ShardStart.store`` (the model store a split model's store id was found in, and its sha256).
 14: ``HeartbeatInterval`` (the router paces an idle worker's heartbeats to its fleet's size).
 13: ``Register.shard_ram_bytes`` (the RAM a worker offers split models, ``--shard-ram``).
@@ -328,7 +331,8 @@ WorkerMessage = Annotated[
     | JobResult
     | JobDone
     | JobFailed
-    | ShardStatus,
+    | ShardStatus
+    | ShardLinks,
     Field(discriminator="type"),
 ]
 
@@ -543,6 +547,7 @@ __all__ = [
     "JobId",
     "JobResult",
     "JobStart",
+    "LinkRtt",
     "Message",
     "ModelFile",
     "ModelInfo",
@@ -559,6 +564,7 @@ __all__ = [
     "ShardStart",
     "ShardState",
     "ShardDevice",
+    "ShardLinks",
     "ShardStatus",
     "ShardStop",
     "StoreFile",

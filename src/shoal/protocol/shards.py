@@ -4,12 +4,16 @@ The router starts a worker's part in a split model with ``ShardStart`` (a head, 
 reaches each stage: ``RpcPeer``) and ends it with ``ShardStop``; ``TunnelDial`` asks a stage
 to join one more head connection through the router's tunnel. The worker reports every change
 of a part with ``ShardStatus`` (with, for a head, where llama-server put the layers:
-``DevicePlacement``). They travel in the closed unions of ``protocol.messages``.
+``DevicePlacement``); a serving head reports every few seconds how long each stage took to
+answer its RPC requests (``ShardLinks``). They travel in the closed unions of
+``protocol.messages``.
 """
 
 from __future__ import annotations
 
 import enum
+import statistics
+from collections.abc import Iterable
 from typing import Literal
 
 from pydantic import Field
@@ -99,6 +103,45 @@ class ShardStatus(Message):
     placement: tuple[DevicePlacement, ...] = ()
     seed: SeedReport | None = None
     """A stage: what it pre-seeded (None: it has not, or does not)."""
+
+
+class LinkRtt(Message):
+    """One stage's RPC round trips as its head timed them: from a request of the head's
+    llama-server leaving the head to the first bytes of the stage's reply reaching it (the
+    network both ways, the router's relay if relayed, and the stage's work), over the last
+    ``samples`` requests."""
+
+    worker_id: WorkerId
+    """The stage."""
+    median_ms: float = Field(ge=0)
+    p90_ms: float = Field(ge=0)
+    samples: int = Field(ge=1)
+
+    @classmethod
+    def of(cls, worker_id: WorkerId, turnarounds_ns: Iterable[int]) -> LinkRtt | None:
+        """The median and 90th percentile of ``turnarounds_ns`` in ms (None: no sample)."""
+        ms = sorted(t / 1e6 for t in turnarounds_ns)
+        if not ms:
+            return None
+        return cls(
+            worker_id=worker_id,
+            median_ms=round(statistics.median(ms), 3),
+            p90_ms=round(ms[min(len(ms) - 1, int(len(ms) * 0.9))], 3),
+            samples=len(ms),
+        )
+
+
+class ShardLinks(Message):
+    """A serving head's round trips to its stages (worker -> router), sent every
+    ``LINK_REPORT_S`` at most, and only when a stage answered something new."""
+
+    type: Literal["shard_links"] = "shard_links"
+    deployment: str
+    stages: tuple[LinkRtt, ...]
+
+
+LINK_REPORT_S = 2.0
+"""How often a serving head reports its stages' round trips (if it has new ones)."""
 
 
 # ---------------------------------------------------------------- router -> worker

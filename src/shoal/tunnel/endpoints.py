@@ -18,6 +18,7 @@ import asyncio
 import logging
 import socket
 import ssl
+from collections import deque
 from dataclasses import dataclass
 
 from shoal.tunnel.handshake import (
@@ -32,7 +33,7 @@ from shoal.tunnel.handshake import (
     parse_reply,
 )
 from shoal.tunnel.link import Link, LinkRelay
-from shoal.tunnel.relay import RelayMode, Traffic
+from shoal.tunnel.relay import TURNAROUNDS_KEPT, RelayMode, Traffic
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,10 @@ class HeadEndpoint:
         self.started = asyncio.Event()
         self.traffic = Traffic()
         """Bytes from llama-server to the stage (a_to_b) and back, over ended connections."""
+        self.turnarounds: deque[int] = deque(maxlen=TURNAROUNDS_KEPT)
+        """The last request->reply turnarounds of all its connections, in ns, as the head
+        sees them: a request of llama-server leaving for the hub to the first bytes of the
+        stage's reply coming back (``Traffic``). Relay threads append to it: read a ``copy()``."""
 
     @property
     def rpc_address(self) -> str:
@@ -163,7 +168,11 @@ class HeadEndpoint:
             local.close()
             raise
         relay = LinkRelay(
-            local, hub, name=f"{self.tunnel_id}-head", mode=self.relay_mode, traffic=Traffic()
+            local,
+            hub,
+            name=f"{self.tunnel_id}-head",
+            mode=self.relay_mode,
+            traffic=Traffic(turnarounds=self.turnarounds),
         )
         try:
             await relay.run()

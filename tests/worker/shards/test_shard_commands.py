@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from shoal.llama_cpp.devices import ComputeDevice
-from shoal.protocol.ids import ModelName
+from shoal.protocol.ids import ModelName, WorkerId
 from shoal.protocol.messages import ShardRole, ShardStart
 from shoal.worker.shards.host import head_args, served_devices
+from shoal.worker.shards.tunnels import link_report
 
 GIB = 2**30
 CUDA = (ComputeDevice("CUDA0", "H100", 80 * GIB, 79 * GIB),)
@@ -53,3 +54,17 @@ def test_a_stage_serves_the_devices_it_is_told() -> None:
     assert served_devices((), ()) == ()  # ... or ggml-rpc-server's default, the CPU
     with pytest.raises(RuntimeError, match="planned layers on CUDA1.*it lists: CUDA0"):
         served_devices(("CUDA1",), CUDA)
+
+
+def test_a_head_reports_its_stages_round_trips_only_when_a_stage_answered_anew() -> None:
+    b, c = WorkerId("b"), WorkerId("c")
+    assert link_report("split", {b: (), c: ()}, {}) is None  # nothing asked of them yet
+    now = {b: (1_000_000, 3_000_000), c: ()}
+    report = link_report("split", now, {})
+    assert report is not None and report.deployment == "split"
+    [rtt] = report.stages  # c answered nothing: no figure for it
+    assert (rtt.worker_id, rtt.median_ms, rtt.p90_ms, rtt.samples) == (b, 2.0, 3.0, 2)
+    assert link_report("split", now, now) is None  # nothing new since the last report
+    later = {b: now[b], c: (500_000,)}
+    again = link_report("split", later, now)
+    assert again is not None and [r.worker_id for r in again.stages] == [b, c]

@@ -45,8 +45,10 @@ from shoal.llama_cpp.devices import ComputeDevice
 from shoal.llama_cpp.load_log import placement
 from shoal.llama_cpp.rpc_cache import RpcCache
 from shoal.models.errors import ModelError
+from shoal.protocol.ids import WorkerId
 from shoal.protocol.messages import AGENT_ENDPOINTS, BackendState, Endpoint, Message, ModelInfo
 from shoal.protocol.shards import (
+    LINK_REPORT_S,
     DevicePlacement,
     SeedReport,
     ShardRole,
@@ -55,10 +57,11 @@ from shoal.protocol.shards import (
     ShardStatus,
     TunnelDial,
 )
+from shoal.tunnel.endpoints import HeadEndpoint
 from shoal.worker.jobs.runner import JobRunner
 from shoal.worker.shards.rpc_seed import SeedOrder, seed
 from shoal.worker.shards.tools import ShardTools
-from shoal.worker.shards.tunnels import TunnelEnds
+from shoal.worker.shards.tunnels import TunnelEnds, link_report
 from shoal.worker.tasks import HeldGroup
 from shoal.worker.text.backend import Backend, BackendTarget
 from shoal.worker.text.llama_server import LlamaServer, LlamaServerConfig, free_port, stop_process
@@ -279,12 +282,14 @@ class ShardHost:
         path = await asyncio.to_thread(self.tools.resolve, spec)
         async with AsyncExitStack() as stack:
             rpc: list[str] = []
+            ends: dict[WorkerId, HeadEndpoint] = {}
             for peer in spec.peers:
                 if peer.direct is not None:
                     rpc.append(peer.direct)
                 else:
-                    port = await stack.enter_async_context(self._tunnels.head_end(peer))
-                    rpc.append(f"{LOCALHOST}:{port}")
+                    end = await stack.enter_async_context(self._tunnels.head_end(peer))
+                    ends[peer.worker_id] = end
+                    rpc.append(f"{LOCALHOST}:{end.port}")
             log_file = self.tools.logs / f"llama-server-head-{_safe(spec.deployment)}.log"
             config = LlamaServerConfig(
                 binary=self.tools.llama_server,
@@ -329,7 +334,20 @@ class ShardHost:
                 self._runner.route(spec.model, backend.run, server.use)
                 self._move(shard, ShardState.READY, f"serving {spec.model} on {server.url}")
                 self._on_models()
+                reporting = tg.create_task(self._report_links(spec.deployment, ends))
                 await running
+                reporting.cancel()
+
+    async def _report_links(self, deployment: str, ends: dict[WorkerId, HeadEndpoint]) -> None:
+        """While the head serves: every ``LINK_REPORT_S``, its stages' round trips as it timed
+        them, if a stage answered something since the last report (none in direct mode)."""
+        sent: dict[WorkerId, tuple[int, ...]] = {}
+        while ends:
+            await asyncio.sleep(LINK_REPORT_S)  # a report's pace, not a wait for an event
+            now = {w: tuple(end.turnarounds.copy()) for w, end in ends.items()}
+            if (msg := link_report(deployment, now, sent)) is not None:
+                self._send(msg)
+                sent = now
 
     def _move(
         self, shard: _Shard, state: ShardState, detail: str, address: str | None = None

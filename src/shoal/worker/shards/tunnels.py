@@ -4,6 +4,9 @@ A head's ``llama-server --rpc`` dials a local port per stage (``head_end``); eve
 it opens there is carried to the router's tunnel listener, which asks the stage's worker
 (``TunnelDial``) to join it to its ``ggml-rpc-server`` (``connect_stage``). Both sides prove
 themselves with the tunnel's secrets; no worker listens on anything but 127.0.0.1.
+
+The head's end times each stage's answers; while the head serves it reports them to the router
+every ``LINK_REPORT_S`` when a stage answered something new (``link_report``).
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 
-from shoal.protocol.shards import RpcPeer, TunnelDial
+from shoal.protocol.ids import WorkerId
+from shoal.protocol.shards import LinkRtt, RpcPeer, ShardLinks, TunnelDial
 from shoal.tunnel.endpoints import HeadEndpoint, HubAddress, StageConnector, TunnelError
 from shoal.tunnel.handshake import StageWanted, TunnelId
 
@@ -34,8 +38,9 @@ class TunnelEnds:
         return HubAddress(host, port, self.tls, server_hostname=host if self.tls else None)
 
     @contextlib.asynccontextmanager
-    async def head_end(self, peer: RpcPeer) -> AsyncIterator[int]:
-        """A port on 127.0.0.1 that reaches ``peer``'s ggml-rpc-server through the router."""
+    async def head_end(self, peer: RpcPeer) -> AsyncIterator[HeadEndpoint]:
+        """A listener on 127.0.0.1 (its ``port``) that reaches ``peer``'s ggml-rpc-server
+        through the router, and times the stage's answers (its ``turnarounds``)."""
         if peer.tunnel_id is None or peer.tunnel_token is None or peer.tunnel_port is None:
             raise ValueError(f"stage {peer.worker_id}: neither a tunnel nor a direct address")
         endpoint = HeadEndpoint(
@@ -48,7 +53,7 @@ class TunnelEnds:
             started.cancel()
             if serving.done():
                 serving.result()  # raises why it could not listen
-            yield endpoint.port
+            yield endpoint
         finally:
             serving.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -72,3 +77,16 @@ class TunnelEnds:
         connector = self._stages.pop(deployment, None)
         if connector is not None:
             connector.close()
+
+
+def link_report(
+    deployment: str,
+    now: Mapping[WorkerId, tuple[int, ...]],
+    sent: Mapping[WorkerId, tuple[int, ...]],
+) -> ShardLinks | None:
+    """What a head tells the router of its stages' round trips: each stage's last turnarounds
+    (ns) summed up, or None when no stage answered anything since ``sent`` was reported."""
+    if now == sent:
+        return None
+    stages = tuple(r for w, ns in now.items() if (r := LinkRtt.of(w, ns)) is not None)
+    return ShardLinks(deployment=deployment, stages=stages) if stages else None

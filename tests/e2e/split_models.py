@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 from threading import Event
+from typing import Any
 
 import psutil
 
 import http_calls
-from cluster import Router, iter_sse
+from cluster import Router, iter_sse, wait_until
 
 PROMPTS = [
     "Name three colours.",
@@ -28,6 +29,21 @@ def status(router: Router) -> list[dict[str, object]]:
 
 def deployment(router: Router, name: str) -> dict[str, object]:
     return next(d for d in status(router) if d["name"] == name)
+
+
+def head_timed(router: Router, name: str) -> list[dict[str, Any]]:
+    """``name``'s shards once its head has reported every stage's RPC round trips (it does
+    every few seconds while it serves, when a stage answered something new)."""
+
+    def shards() -> list[dict[str, Any]] | None:
+        found = deployment(router, name)["shards"]
+        assert isinstance(found, list)
+        return found if all(s["link"]["rtt_ms"] for s in found[1:]) else None
+
+    shards_now: list[dict[str, Any]] = wait_until(
+        shards, 30, f"the head of {name} to report its stages' round trips"
+    )
+    return shards_now
 
 
 def ask(router: Router, model: str, prompt: str) -> str:

@@ -6,8 +6,8 @@ that offers 1000 MiB joins while a long stream runs; after the quiet period the 
 the plan over three workers better (the fullest drops to 59 %), drains (the stream goes on to
 its end, new requests get a 503), then switches: the deployment serves over three workers,
 with the same greedy answers as one machine. Status shows each stage's link (bytes both ways
-and the RPC turnaround as the router's tunnel hub measured it), and ``POST …/rebalance`` with
-nothing better to do answers 200 and leaves it serving.
+and the RPC turnaround as the head timed it, and as the router's tunnel hub saw it), and
+``POST …/rebalance`` with nothing better to do answers 200 and leaves it serving.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from threading import Event
 
 import pytest
-from split_models import PROMPTS, ask, deployment, long_stream
+from split_models import PROMPTS, ask, deployment, head_timed, long_stream
 
 import http_calls
 from cluster import MODEL, Cluster, wait_until
@@ -48,13 +48,16 @@ def test_a_joining_worker_rebalances_the_split_while_a_stream_runs(cluster: Clus
     one_machine = [ask(router, MODEL, p) for p in PROMPTS]
     assert [ask(router, "smol-split", p) for p in PROMPTS] == one_machine
 
-    # Status: each stage's link, as the router's tunnel hub measured it.
-    head, stage = deployment(router, "smol-split")["shards"]
+    # Status: each stage's link, its RPC round trips as the head timed them (reported every
+    # few seconds while it serves) and as the router's tunnel hub saw them.
+    head, stage = head_timed(router, "smol-split")
     assert head["link"] is None
     link = stage["link"]
     assert link["measured"] and link["connections"] >= 1, link
     assert link["bytes_to_stage"] > 0 and link["bytes_to_head"] > 0, link
     assert link["rtt_ms"]["samples"] > 0 and link["rtt_ms"]["median"] > 0, link
+    assert link["rtt_measures"].startswith("the head:"), link
+    assert link["router_rtt_ms"]["samples"] > 0 and link["router_rtt_ms"]["median"] > 0, link
 
     first = Event()
     with ThreadPoolExecutor(1) as pool:
@@ -86,8 +89,9 @@ def test_a_joining_worker_rebalances_the_split_while_a_stream_runs(cluster: Clus
     assert [s["worker_name"] for s in moved["shards"]] == ["r1", "r2", "r3"]
     assert [s["layers"] for s in moved["shards"]] == [[0, 3], [4, 7], [8, 29]]
     assert [ask(router, "smol-split", p) for p in PROMPTS] == one_machine
-    links = [s["link"] for s in deployment(router, "smol-split")["shards"][1:]]
+    links = [s["link"] for s in head_timed(router, "smol-split")[1:]]
     assert all(link["measured"] and link["rtt_ms"]["samples"] > 0 for link in links), links
+    assert all(link["rtt_ms"]["median"] > 0 for link in links), links
 
     # Asked for a rebalance with nothing better to do: 200, and it keeps serving as it is.
     r = http_calls.post(

@@ -6,9 +6,10 @@ A router given that store (``--model-store``, ``--model-store-ca``, a worker key
 and a fresh cache deploys it by the store id over three workers (each offering split models
 200 MiB, ``--shard-ram``; each also serves the default model whole, the one-machine reference):
 greedy answers equal one machine's, and the router keeps no copy. Status shows each stage's
-link: the RPC round trip (``rtt_ms``) and bytes both ways. A fourth worker offering 1000 MiB
-joins while a long stream runs: the plan over four is better (the fullest worker drops from
-70 % to 59 %), the deployment drains, the stream completes whole, and it serves over four.
+link: the RPC round trip as the head timed it (``rtt_ms``) and bytes both ways. A fourth
+worker offering 1000 MiB joins while a long stream runs: the plan over four is better (the
+fullest worker drops from 70 % to 59 %), the deployment drains, the stream completes whole,
+and it serves over four.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from threading import Event
 
 import pytest
-from split_models import PROMPTS, ask, deployment, long_stream
+from split_models import PROMPTS, ask, deployment, head_timed, long_stream
 
 import http_calls
 from certs import make_certs
@@ -36,15 +37,17 @@ WORKER_ARGS = ("--slots", "1", "--ctx-size", "1024")
 
 
 def assert_links_measured(router: Router) -> None:
-    """Each stage's link in status: measured RPC round trips and bytes both ways (the head
-    has none: it is the end the router's tunnel hub measures from)."""
-    head, *stages = deployment(router, NAME)["shards"]
+    """Each stage's link in status: RPC round trips as the head timed them (and as the
+    router's tunnel hub saw them) and bytes both ways (the head has no link of its own)."""
+    head, *stages = head_timed(router, NAME)
     assert head["link"] is None
     for stage in stages:
         link = stage["link"]
         assert link["measured"] and link["connections"] >= 1, link
         assert link["bytes_to_stage"] > 0 and link["bytes_to_head"] > 0, link
         assert link["rtt_ms"]["samples"] > 0 and link["rtt_ms"]["median"] > 0, link
+        assert link["rtt_measures"].startswith("the head:"), link
+        assert link["router_rtt_ms"]["samples"] > 0 and link["router_rtt_ms"]["median"] > 0
 
 
 def test_upload_deploy_by_store_id_and_rebalance_on_join(

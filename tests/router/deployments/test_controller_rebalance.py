@@ -15,6 +15,8 @@ from shoal.protocol.ids import JobId, ModelName, WorkerId
 from shoal.protocol.messages import (
     BackendState,
     Endpoint,
+    LinkRtt,
+    ShardLinks,
     ShardRole,
     ShardStart,
     ShardState,
@@ -170,8 +172,23 @@ async def test_status_shows_each_stages_link(model_path: Path, tmp_path: Path) -
     link = stage["link"]
     assert link["measured"] and link["connections"] == 1
     assert (link["bytes_to_stage"], link["bytes_to_head"]) == (1000, 200)
-    assert link["rtt_ms"] == {"median": 2.0, "p90": 3.0, "samples": 3}
-    assert "tunnel hub" in link["rtt_measures"]
+    assert link["rtt_ms"] is None  # the head has not reported yet
+    assert link["router_rtt_ms"] == {"median": 2.0, "p90": 3.0, "samples": 3}
+    assert "tunnel hub" in link["router_rtt_measures"]
+
+    # The head reports what it timed; another worker's report, or one of a stage it does
+    # not head, changes nothing.
+    a, b = (registry.get(WorkerId(n)) for n in "ab")
+    assert a is not None and b is not None
+    rtt = LinkRtt(worker_id=WorkerId("b"), median_ms=2.5, p90_ms=4.0, samples=40)
+    controller.on_links(b, ShardLinks(deployment="split", stages=(rtt,)))
+    controller.on_links(a, ShardLinks(deployment="other", stages=(rtt,)))
+    assert controller.status()[0]["shards"][1]["link"]["rtt_ms"] is None
+    controller.on_links(a, ShardLinks(deployment="split", stages=(rtt,)))
+    link = controller.status()[0]["shards"][1]["link"]
+    assert link["rtt_ms"] == {"median": 2.5, "p90": 4.0, "samples": 40}
+    assert link["rtt_measures"].startswith("the head:")
+    assert link["router_rtt_ms"]["samples"] == 3  # the hub's own figure, named apart
 
 
 async def test_a_worker_that_registers_loading_joins_once_it_is_ready(
@@ -205,6 +222,7 @@ def test_a_link_says_why_it_is_not_measured() -> None:
     }
     fresh = link_json(stage, "relayed", StageLink(TunnelBytes(), (), 1))
     assert fresh is not None and fresh["rtt_ms"] is None  # nothing asked of it yet
+    assert fresh["router_rtt_ms"] is None
 
 
 async def test_a_shard_worker_that_is_not_ready_now_is_not_planned_away(

@@ -55,6 +55,7 @@ from shoal.models.gguf_info import GGUFInfo
 from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import (
     ModelFile,
+    ShardLinks,
     ShardRole,
     ShardState,
     ShardStatus,
@@ -307,6 +308,17 @@ class Deployments:
             elif all(s.state is ShardState.READY for s in d.stages):
                 self._start_head(d)
         self.wake()
+
+    def on_links(self, worker: WorkerConnection, msg: ShardLinks) -> None:
+        """A serving head's round trips to its stages: kept on each stage's view for status."""
+        d = self.items.get(msg.deployment)
+        head = d.shard_of(worker.id) if d is not None else None
+        if d is None or head is None or head.role is not ShardRole.HEAD:
+            return  # not (any more) the head of it: a late report
+        for rtt in msg.stages:
+            stage = d.shard_of(rtt.worker_id)
+            if stage is not None and stage.role is ShardRole.STAGE:
+                stage.head_rtt = rtt
 
     # ------------------------------------------------------------ the loop
 

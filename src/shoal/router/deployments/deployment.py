@@ -30,6 +30,7 @@ from typing import Literal
 from shoal.lifecycle import Transitions
 from shoal.protocol.messages import (
     DevicePlacement,
+    LinkRtt,
     ModelFile,
     SeedReport,
     ShardRole,
@@ -151,6 +152,8 @@ class ShardView:
     placement: tuple[DevicePlacement, ...] = ()
     seed: SeedReport | None = None
     """A stage: what it pre-seeded into its RPC cache before it started."""
+    head_rtt: LinkRtt | None = None
+    """A stage: its RPC round trips as the head timed them (``ShardLinks``, relayed mode)."""
 
 
 @dataclass(eq=False, slots=True)

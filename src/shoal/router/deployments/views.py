@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from shoal.protocol.ids import WorkerId
-from shoal.protocol.messages import ShardRole
+from shoal.protocol.messages import LinkRtt, ShardRole
 from shoal.router.deployments.deployment import Deployment, ShardView, StageLink, TunnelBytes
 from shoal.router.deployments.launch import head_launch, holders, placed_layers
 from shoal.router.deployments.placement import DeviceShare, Held, Plan
@@ -62,6 +61,11 @@ def _bytes(t: TunnelBytes) -> dict[str, int]:
 
 
 RTT_MEASURES = (
+    "the head: from a request of its llama-server leaving the head to the first bytes of the "
+    "stage's reply reaching it (head-router-stage and back, plus the stage's work on it); "
+    "reported by the head every few seconds while it serves"
+)
+ROUTER_RTT_MEASURES = (
     "the router's tunnel hub: from a request of the head reaching the router to the first "
     "byte of the stage's reply (router-stage round trip plus the stage's work on it)"
 )
@@ -69,31 +73,31 @@ RTT_MEASURES = (
 
 def link_json(s: ShardView, mode: str, link: StageLink | None) -> dict[str, Any] | None:
     """A stage's link to the head: the bytes its tunnel carried both ways and the RPC
-    request->reply turnaround in ms (median and 90th percentile of the last ones). None for
-    the head; in direct mode nothing passes the router, so nothing is measured."""
+    request->reply turnaround in ms (median and 90th percentile of the last ones) as the head
+    timed it (``rtt_ms``; None until the head reports) and as the router's hub saw it
+    (``router_rtt_ms``). None for the head; in direct mode nothing of ours relays the head's
+    connection, so nothing is measured."""
     if s.role is ShardRole.HEAD:
         return None
     if mode == "direct":
         return {"measured": False, "why": "direct mode: the head dials the stage itself"}
     if link is None:
         return {"measured": False, "why": "no tunnel open to this stage"}
-    ms = sorted(t / 1e6 for t in link.turnarounds_ns)
+    router = LinkRtt.of(WorkerId(s.worker_id), link.turnarounds_ns)
     return {
         "measured": True,
         "connections": link.connections,
         "bytes_to_stage": link.carried.to_stages,
         "bytes_to_head": link.carried.to_head,
-        "rtt_ms": (
-            {
-                "median": round(statistics.median(ms), 3),
-                "p90": round(ms[min(len(ms) - 1, int(len(ms) * 0.9))], 3),
-                "samples": len(ms),
-            }
-            if ms
-            else None
-        ),
+        "rtt_ms": _rtt(s.head_rtt),
         "rtt_measures": RTT_MEASURES,
+        "router_rtt_ms": _rtt(router),
+        "router_rtt_measures": ROUTER_RTT_MEASURES,
     }
+
+
+def _rtt(r: LinkRtt | None) -> dict[str, Any] | None:
+    return {"median": r.median_ms, "p90": r.p90_ms, "samples": r.samples} if r else None
 
 
 def held_json(h: Held) -> dict[str, Any]:

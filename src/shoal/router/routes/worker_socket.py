@@ -24,6 +24,7 @@ from shoal.protocol.messages import (
     Refused,
     Register,
     Registered,
+    ShardLinks,
     ShardStatus,
     decode_chunk_items,
     decode_worker_message,
@@ -209,6 +210,8 @@ async def _read(ws: WebSocket, worker: WorkerConnection, ctx: RouterContext) -> 
             msg = decode_worker_message(frame)
             if isinstance(msg, ShardStatus):
                 ctx.deployments.on_shard(worker, msg)
+            elif isinstance(msg, ShardLinks):
+                ctx.deployments.on_links(worker, msg)
             else:
                 workers.on_message(worker, msg)
         except (ValidationError, ValueError) as exc:

@@ -426,14 +426,15 @@ function shardDevices(s) {
   return held.length ? held.join(", ") : `layers ${s.layers[0]}–${s.layers[1]}`;
 }
 
-// A stage's link to the head, as the router's tunnel hub measured it
-// ("RPC 1.20 ms (p90 2.00) · 3.4 MiB to stage · 1.1 MiB back").
+// A stage's link to the head: its RPC round trip as the head timed it, and the bytes its
+// tunnel carried ("RPC 1.20 ms (p90 2.00) · 3.4 MiB to stage · 1.1 MiB back").
 function shardLink(s) {
   const link = s.link;
   if (!link) return null;
   if (!link.measured) return el("span", { class: "link muted", title: link.why, text: "RPC not measured" });
   const rtt = link.rtt_ms ? `RPC ${link.rtt_ms.median.toFixed(2)} ms (p90 ${link.rtt_ms.p90.toFixed(2)})` : "RPC –";
-  return el("span", { class: "link", title: `round trip: ${link.rtt_measures}`,
+  const hub = link.router_rtt_ms ? ` (router to stage alone: ${link.router_rtt_ms.median.toFixed(2)} ms)` : "";
+  return el("span", { class: "link", title: `round trip measured at ${link.rtt_measures}${hub}`,
     text: `${rtt} · ${formatBytes(link.bytes_to_stage)} to stage · ${formatBytes(link.bytes_to_head)} back` });
 }
 

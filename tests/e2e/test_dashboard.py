@@ -454,8 +454,18 @@ def test_layer_map_shows_a_real_deployment(
         assert colours[0] != colours[-1]
         legend = card.text_content() or ""
         assert "layers 0–14" in legend and "layers 15–29" in legend and "serving" in legend
-        # The stage's link as the router's tunnel hub measured it (the head loaded through it).
-        stage = card.query_selector(f'.shard-legend li[data-worker="{w2["id"]}"] .link')
+        # The stage's link as the head timed it (the head loaded through it): the head reports
+        # its stages' round trips within LINK_REPORT_S of serving; until then the map says "RPC –".
+        link_of_stage = (
+            '.deployment[data-deployment="dash-split"] '
+            f'.shard-legend li[data-worker="{w2["id"]}"] .link'
+        )
+        watched.page.wait_for_function(
+            "s => (document.querySelector(s)?.textContent || '').includes(' ms ')",
+            arg=link_of_stage,
+            timeout=30_000,
+        )
+        stage = watched.page.query_selector(link_of_stage)
         assert stage is not None
         link = stage.text_content() or ""
         assert link.startswith("RPC ") and " ms " in link and "to stage" in link, link

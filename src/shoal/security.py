@@ -34,10 +34,3 @@ def matches(presented: str | None, keys: tuple[SecretStr, ...]) -> bool:
     for key in keys:  # compare against every key so timing says nothing about which matched
         found |= hmac.compare_digest(candidate, key.get_secret_value().encode())
     return found
-
-
-def missing_keys(host: str, required: dict[str, tuple[SecretStr, ...]]) -> list[str]:
-    """The flags still unset that listening on ``host`` requires (none on loopback)."""
-    if is_loopback(host):
-        return []
-    return [flag for flag, keys in required.items() if not keys]

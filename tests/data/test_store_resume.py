@@ -199,6 +199,15 @@ async def test_the_upload_client_resumes_and_checks_the_digest(
         await upload_to_store(own_store.url, model_path, model_id="x", api_key="sk-wrong")
 
 
+@pytest.mark.parametrize("url", ["127.0.0.1:8100", "store.lan", "ftp://store.lan", "https://"])
+async def test_the_upload_client_refuses_a_url_it_cannot_reach_before_hashing(
+    url: str, tmp_path: Path
+) -> None:
+    missing = tmp_path / "never-read.gguf"  # refused before the file is even looked at
+    with pytest.raises(ModelError, match="not a model store's URL.*https://store.lan:8100"):
+        await upload_to_store(url, missing, api_key=ADMIN_KEY)
+
+
 async def test_the_upload_client_waits_for_a_broken_try_to_let_go(
     own_store: StoreServer, model_path: Path
 ) -> None:

@@ -17,6 +17,7 @@ import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 import anyio.to_thread
@@ -64,7 +65,7 @@ async def upload_to_store(
 ) -> Uploaded:
     """Upload ``path`` as ``model_id`` (default: its name without .gguf). Raises
     ``ModelError`` with the store's message and what to do."""
-    base = base_url.rstrip("/")
+    base = _checked_base(base_url)
     model_id = model_id or _default_id(path)
     size = path.stat().st_size
     if sha256 is None:
@@ -87,6 +88,18 @@ async def upload_to_store(
                 log.warning("upload of %s: %s; trying again in %g s", model_id, exc, RETRY_PAUSE_S)
                 await asyncio.sleep(RETRY_PAUSE_S)
     raise AssertionError("unreachable: the loop returns or raises")
+
+
+def _checked_base(url: str) -> str:
+    """The store's base URL, or a ``ModelError`` at once for one no try could reach (a
+    ``host:port`` without its scheme would otherwise be retried as if the network failed)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ModelError(
+            f"{url!r} is not a model store's URL: give its scheme and host, e.g. "
+            "https://store.lan:8100 (http://127.0.0.1:8100 for a store on loopback without TLS)."
+        )
+    return url.rstrip("/")
 
 
 async def _try(

@@ -232,3 +232,13 @@ def test_resolve_model_unknown_id_says_where_to_look(tmp_path: Path) -> None:
     with pytest.raises(ModelError) as near:
         resolve_model("smollm2-99m", tmp_path / "cache")
     assert DEFAULT_MODEL.id in str(near.value), "a near miss names the catalog's similar ids"
+
+
+@pytest.mark.parametrize("model", ["~ \u4ee5\u00e7", "~no-such-user-here/model.gguf"])
+def test_a_tilde_of_no_user_here_is_an_unknown_model_not_a_crash(
+    model: str, tmp_path: Path
+) -> None:
+    """``Path.expanduser`` raises RuntimeError for ``~name`` of no such user (the router's
+    fuzzer found it through POST /api/v1/pipeline/plan: a 500)."""
+    with pytest.raises(ModelError):
+        resolve_model(model, tmp_path, download=False)

@@ -80,11 +80,11 @@ def resolve_model(
     ``download`` is False, in which case it must already be there. ``fit`` describes the
     machine the quantization must fit (when None, this machine).
     """
-    hub_name = None if Path(model).expanduser().is_file() else parse_hub_name(model)
+    hub_name = None if _is_file(model) else parse_hub_name(model)
     if hub_name is not None:
         return _from_hub(hub_name, cache_dir, download, quantization, fit, hub)
     if model.lower().endswith(GGUF_SUFFIX):
-        return _from_file(Path(model).expanduser())
+        return _from_file(_expanded(model))
     entry = load_catalog().get(model)
     if entry is None:
         raise ModelError(_unknown(model))
@@ -237,3 +237,16 @@ def _from_file(path: Path) -> LocalModel:
     local = LocalModel(id=path.stem.lower(), path=path.absolute())
     logger.info("model %s from file %s", local.id, local.path)
     return local
+
+
+def _expanded(model: str) -> Path:
+    """``model`` as a path, ``~`` expanded; a ``~name`` of no user here stays as given (the
+    file is then not found, a clear error, instead of ``expanduser``'s RuntimeError)."""
+    try:
+        return Path(model).expanduser()
+    except RuntimeError:
+        return Path(model)
+
+
+def _is_file(model: str) -> bool:
+    return _expanded(model).is_file()

@@ -37,8 +37,10 @@ from shoal.protocol.shards import (
 )
 from shoal.protocol.telemetry import GpuSample
 
-PROTOCOL_VERSION = 16
+PROTOCOL_VERSION = 17
 """Bumped on any incompatible change; a router refuses workers that speak another version.
+17: several text models per worker: ``ModelInfo.slots``, ``resident_bytes``, ``load_seconds``,
+``pinned``, ``loads``, ``evictions`` and ``Register.model_budget_bytes``.
 16: ``ShardLinks`` (a serving head's RPC round trips to each stage, as the head timed them).
 15: ``ShardStart.store`` (the model store a split model's store id was found in, and its sha256).
 14: ``HeartbeatInterval`` (the router paces an idle worker's heartbeats to its fleet's size).
@@ -166,7 +168,21 @@ class ModelInfo(Message):
     backend: str = "llama-server"
     state: BackendState | None = None
     """This model's own state, for a worker serving several that load and unload apart
-    (image models); None: the worker's state."""
+    (image models, and text models of a worker serving several); None: the worker's state."""
+    slots: int | None = Field(None, ge=1)
+    """Jobs this model takes at once, for a worker serving several text models (each its own
+    llama-server); None: ``Register.slots``."""
+    resident_bytes: int | None = Field(None, ge=0)
+    """The memory it holds when loaded: weights + KV + compute as llama-server reported them
+    on its last load, else the fit estimate (None: not known, or not a model of ours)."""
+    load_seconds: float | None = Field(None, ge=0)
+    """How long its last load took, from start to ready (None: never loaded here)."""
+    pinned: bool = False
+    """Never evicted to make room for another model."""
+    loads: int = Field(0, ge=0)
+    """Loads since the worker started (the first included)."""
+    evictions: int = Field(0, ge=0)
+    """Times it was unloaded to make room for another model since the worker started."""
 
 
 class ErrorBody(Message):
@@ -213,6 +229,9 @@ class Register(Message):
     shard_ram_bytes: int | None = Field(None, ge=0)
     """The most RAM split models' shards may plan on here (``--shard-ram``; None: all that
     is free)."""
+    model_budget_bytes: int | None = Field(None, ge=0)
+    """The memory its resident text models may hold together (RAM and VRAM summed; None:
+    it serves one text model, or none)."""
     gpus_unused: str | None = None
     """Why this worker's GPUs sit idle, with the fix: its llama.cpp build drives none of
     them (a CPU build on a GPU machine). None: it drives them, there are none, or the worker

@@ -40,7 +40,7 @@ from shoal.protocol.telemetry import GpuSample
 PROTOCOL_VERSION = 17
 """Bumped on any incompatible change; a router refuses workers that speak another version.
 17: several text models per worker: ``ModelInfo.slots``, ``resident_bytes``, ``load_seconds``,
-``pinned``, ``loads``, ``evictions`` and ``Register.model_budget_bytes``.
+``pinned``, ``loads``, ``evictions``, ``Register.model_budget_bytes`` and ``JobLoading``.
 16: ``ShardLinks`` (a serving head's RPC round trips to each stage, as the head timed them).
 15: ``ShardStart.store`` (the model store a split model's store id was found in, and its sha256).
 14: ``HeartbeatInterval`` (the router paces an idle worker's heartbeats to its fleet's size).
@@ -305,6 +305,15 @@ class Chunks(Message):
     items: tuple[Chunk, ...]
 
 
+class JobLoading(Message):
+    """The job waits while its model loads on the worker (it was not resident): a streamed
+    answer shows the client an SSE comment, ``: loading model=…``, until its first token."""
+
+    type: Literal["loading"] = "loading"
+    job_id: JobId
+    model: ModelName
+
+
 class JobResult(Message):
     """The whole answer of a non-streaming job."""
 
@@ -347,6 +356,7 @@ WorkerMessage = Annotated[
     | CacheChanged
     | Draining
     | Chunks
+    | JobLoading
     | JobResult
     | JobDone
     | JobFailed

@@ -32,7 +32,7 @@ MIB = 1024 * 1024
 CPU = "CPU"
 
 _USING = re.compile(r"using device (\S+) \((.*)\) \([^()]*\) - \d+ MiB free")
-_BUFFER = re.compile(r":\s+(\S+?) (model|KV|compute) buffer size =\s+([\d.]+) MiB")
+_BUFFER = re.compile(r":\s+(\S+?) (model|KV|RS|compute) buffer size =\s+([\d.]+) MiB")
 _RPC_LABEL = re.compile(r"^RPC(\d+)\[([^\]]+)\]$")
 _RPC_NAME = re.compile(r"^RPC(\d+)$")
 
@@ -57,7 +57,7 @@ class _Buffers:
     def add(self, kind: str, mib: float) -> None:
         if kind == "model":
             self.model += mib
-        elif kind == "KV":
+        elif kind in ("KV", "RS"):  # a recurrent model's state is its cache
             self.kv += mib
         else:  # a reserve logged again replaces the last
             self.compute = mib
@@ -65,7 +65,8 @@ class _Buffers:
 
 def placement(lines: Iterable[str], rpc: Sequence[str]) -> list[DeviceLoad]:
     """Per device, the model, KV and compute bytes the log reports; ``rpc`` is the
-    ``--rpc`` list. The head's CPU comes first, then the devices in the order it used them.
+    ``--rpc`` list. The head's CPU comes first, then the devices in the order it used them,
+    then any other label a buffer was logged under.
 
     Raises ``ValueError`` when an RPC server of ``rpc`` is not among the devices llama-server
     used (it carries on without a server it could not reach, which must not pass unnoticed).
@@ -89,6 +90,7 @@ def placement(lines: Iterable[str], rpc: Sequence[str]) -> list[DeviceLoad]:
     for label, kind, mib in labels:
         buffers.setdefault(_device(label, names), _Buffers()).add(kind, mib)
     order = [CPU, *(name for name, _ in used)]
+    order += [name for name in buffers if name not in order]  # e.g. Metal's MTL0_Mapped
     address = {name: description for name, description in used if _RPC_NAME.match(name)}
     return [
         DeviceLoad(

@@ -1,0 +1,10 @@
+"""Several text models on one worker, kept by measured memory.
+
+Each model is its own llama-server. The ones that fit stay loaded; a job for one that is not
+loads it, first evicting the least recently used ones it does not fit beside
+(``shoal.models.residency.admit``, a pure decision the router shares).
+
+- ``models_file.py``: the models file (TOML or YAML) and its per-model options;
+- ``budget.py``: the memory they may hold together, and a model's first-load estimate;
+- ``measured.py``: what a model holds once loaded, as llama-server reported it.
+"""

@@ -47,3 +47,9 @@ def rpc_cache_dir(cache_dir: Path, build: str) -> Path:
     files in ``rpc/`` below (``llama_cpp.rpc_cache``)."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in build) or "unknown"
     return cache_dir / "rpc-cache" / safe
+
+
+def kv_saves_dir(cache_dir: Path) -> Path:
+    """Slots' KV caches saved by llama-server (``--slot-save-path``), one folder per model
+    (``worker/text/residency/kv_saves.py``)."""
+    return cache_dir / "kv-saves"

@@ -267,6 +267,13 @@ class WorkerSettings(LlamaCppOptions):
         "terminationGracePeriodSeconds, 30 s by default; Docker's stop timeout, 10 s). A "
         "second SIGTERM, or SIGINT (Ctrl-C), stops it at once.",
     )
+    kv_save_limit: float = Field(
+        4.0,
+        ge=0,
+        description="GiB of slots' KV caches kept on disk (in kv-saves/ under the cache "
+        "folder), oldest dropped first: a model evicted to make room for another saves its "
+        "slots' prompts and gets them back when it loads again; 0 turns saving off.",
+    )
     rpc_host: str | None = Field(
         None,
         description="Direct mode for split models, trusted networks only: the IPv4 address "

@@ -98,6 +98,10 @@ class LlamaServerConfig:
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     """While jobs hold it: seconds without an answer to ``/health`` after which it is killed
     and restarted (``stall.py``; 0: only the idle health check applies)."""
+    slot_save_path: Path | None = None
+    """``--slot-save-path``: the folder its slots' KV caches are saved to and restored from
+    (``residency/kv_saves.py``; it must exist when llama-server starts). None: no slot
+    actions (llama-server answers them 501)."""
 
 
 def command(config: LlamaServerConfig, port: int) -> list[str]:
@@ -123,6 +127,8 @@ def command(config: LlamaServerConfig, port: int) -> list[str]:
         args += ["--threads", str(config.threads)]
     if config.batch_threads:
         args += ["--threads-batch", str(config.batch_threads)]
+    if config.slot_save_path is not None:
+        args += ["--slot-save-path", str(config.slot_save_path)]
     if config.embedding:
         args += ["--embedding"]
         if "--pooling" not in config.extra_args:

@@ -26,7 +26,9 @@ itself (the request's ``id_slot``), so it knows what every slot holds:
 * when every slot is busy (the router never sends more jobs than slots, but a job pinned to
   no known slot can make it so) the job waits here for the first slot to free, rather than
   queue inside llama-server behind a slot chosen blindly;
-* a restarted (or unloaded) llama-server holds nothing: ``reset``.
+* a restarted (or unloaded) llama-server holds nothing: ``reset``; one whose slots' caches
+  were saved before it was unloaded holds them again once they are put back (``reserved``
+  while that runs, then ``restored``: ``residency/kv_saves.py``).
 
 Every change calls ``on_change`` with the summary the router matches on: the set of
 content hashes the slots hold (at most ``slots × prefix.MAX_BLOCKS``).
@@ -50,7 +52,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from shoal.protocol.prefix import expected_tokens
@@ -232,6 +234,33 @@ class SlotTable:
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+    @contextlib.contextmanager
+    def reserved(self, ids: Iterable[int]) -> Iterator[tuple[int, ...]]:
+        """Keep the idle slots among ``ids`` from jobs while the block runs (their KV caches
+        are being saved or put back: llama-server would run that after a job there, on what
+        the job left); yields the ids it reserved, leaving out a slot a job holds."""
+        got = tuple(i for i in ids if not self.slots[i].busy)
+        for i in got:
+            self.slots[i].busy = True
+        try:
+            yield got
+        finally:
+            for i in got:
+                self.slots[i].busy = False
+            self._wake()
+
+    def restored(self, slot: int, blocks: tuple[int, ...], content: tuple[int, ...]) -> None:
+        """llama-server put a saved KV cache back into ``slot`` (reserved by the caller): it
+        holds ``blocks`` (``content``: what the router matches) and counts as just used, so a
+        job that shares nothing with it takes an emptier slot first."""
+        entry = self.slots[slot]
+        self._taken += 1
+        entry.last_used = self._taken
+        changed = entry.content != content
+        entry.blocks, entry.content = blocks, content
+        if changed:
+            self._on_change(self.summary())
 
     def reset(self, why: str) -> None:
         """llama-server (re)started: every slot is empty."""

@@ -107,6 +107,28 @@ async def test_hold_tracks_reports_and_waits() -> None:
         assert reused == 0  # a restarted llama-server holds nothing
 
 
+async def test_reserved_slots_are_kept_from_jobs_and_restored_ones_report() -> None:
+    """Saving or restoring a slot's cache: jobs keep off it meanwhile; what it holds once
+    restored is reported, and it counts as just used (an unrelated job takes the empty one)."""
+    reports: list[tuple[int, ...]] = []
+    table = SlotTable(3, reports.append)
+    async with table.hold(B, (21,)) as (busy, _):
+        with table.reserved([0, 1, 2]) as ids:
+            assert busy not in ids and len(ids) == 2  # a job's slot is left to it
+            waiting = asyncio.create_task(_hold_once(table, A))
+            await asyncio.sleep(0)
+            assert not waiting.done()  # every slot busy or reserved: it waits
+            table.restored(ids[0], A, (11, 12))
+            assert reports[-1] == (11, 12, 21)
+        assert await waiting == (ids[0], A_TOKENS)  # released: it takes its restored prefix
+    fresh = SlotTable(2, reports.append)
+    fresh.restored(0, B, (31,))
+    assert reports[-1] == (31,)
+    async with fresh.hold(chain(b"z" * 4 * BLOCK_BYTES), ()) as (other, _):
+        assert other == 1  # the empty slot, not the one just restored
+    assert fresh.summary() == (31,)
+
+
 async def _hold_once(
     table: SlotTable, prompt: tuple[int, ...], content: tuple[int, ...] = ()
 ) -> tuple[int, int]:

@@ -13,4 +13,6 @@
   slot by its content).
 * ``resume/``: exact resumption of an answer a lost worker began: ``continuation.py`` (which
   tokens the client has, the request that goes on; pure) and ``going_on.py`` (running it).
+* ``residency/``: several text models on one worker; ``kv_saves.py``: a model's slots' KV
+  caches saved before it is evicted and put back when it loads again.
 """

@@ -6,7 +6,7 @@ loads it, first evicting the least recently used ones it does not fit beside
 
 - ``models_file.py``: the models file (TOML or YAML) and its per-model options;
 - ``budget.py``: the memory they may hold together, and a model's first-load estimate;
-- ``measured.py``: what a model holds once loaded, as llama-server reported it.
+- ``measured.py``: what a model holds once loaded, as llama-server reported it;
 - ``kv_saves.py``: a model's slots' KV caches saved before it is evicted and put back when
   it loads again (``SlotSaves``).
 """

@@ -43,7 +43,7 @@ from shoal.redis_queue.support import (
     raise_if_cancelled,
     text,
 )
-from shoal.router.dispatch.scheduler import WorkerLoad, contexts_of, hold_for
+from shoal.router.dispatch.scheduler import ModelLoad, WorkerLoad, contexts_of, hold_for
 from shoal.router.dispatch.workers import Registry
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,32 @@ class RemoteWorker:
         consumer = self.summary.get("consumer")
         return consumer if isinstance(consumer, str) and consumer else None
 
+    def residency(self) -> tuple[ModelLoad, ...]:
+        """Its models that report a state of their own, each with its running jobs as its
+        entry says (``running_by_model``; an entry without them, a pull worker's, counts
+        every job of the worker against each: never ranked freer than it is). This router
+        gave none of them a job (``last_assigned`` 0)."""
+        by_model = self.summary.get("running_by_model")
+        counts = by_model if isinstance(by_model, dict) else {}
+        everything = int(self.summary.get("running_jobs", 0))
+        return tuple(
+            ModelLoad(
+                m.name,
+                m.state,
+                m.slots,
+                int(counts.get(m.name, everything if not counts else 0)),
+                m.resident_bytes,
+                m.pinned,
+            )
+            for m in self.models
+            if m.state is not None
+        )
+
+    @property
+    def model_budget_bytes(self) -> int | None:
+        budget = self.summary.get("model_budget_bytes")
+        return int(budget) if isinstance(budget, int) else None
+
     def load(self) -> WorkerLoad:
         """What the scheduler knows of it, as of its router's last sync."""
         return WorkerLoad(
@@ -117,6 +143,8 @@ class RemoteWorker:
             running=int(self.summary.get("running_jobs", 0)),
             cached=self.cached,
             contexts=contexts_of(self.models),
+            residency=self.residency(),
+            budget=self.model_budget_bytes,
         )
 
 

@@ -95,7 +95,7 @@ class Holder:
         for w in self.registry:
             if w.available:
                 keys |= w.served
-                free += max(w.slots - len(w.running), 0)
+                free += w.load().free_slots()
         limits = {
             key: claim_limit((w.load() for w in self.registry.serving(*key)), *key) for key in keys
         }

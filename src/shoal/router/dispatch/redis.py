@@ -360,7 +360,7 @@ class RedisDispatcher:
             return None
         if claimer != self.name:
             log.info(
-                "job %s model=%s: held %d ms for %s, where a worker holds its prefix",
+                "job %s model=%s: held %d ms for %s, where a worker holds its prefix or model",
                 job.id,
                 job.model,
                 hold_ms,

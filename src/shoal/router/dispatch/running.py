@@ -172,7 +172,7 @@ class Running(Generic[T]):
         job.transition(JobState.ASSIGNED, f"worker {worker.id}")
         run = self._runs[job.id] = run_id(job)
         worker.hold(run, job)
-        worker.last_assigned = time.monotonic()
+        worker.last_assigned = worker.assigned[job.model] = time.monotonic()
         answer = AnswerSoFar() if resume is None else AnswerSoFar.going_on(resume)
         self._placed[run] = Placed(ticket, job, worker, attempt, answer)
         worker.send(
@@ -206,11 +206,12 @@ class Running(Generic[T]):
         have said yet that it died). Only the workers serving its model and endpoint are
         looked at (``Registry.serving``): the others are no candidates anyway."""
         serving = self.registry.serving(job.model, job.endpoint)
+        now = time.monotonic()
         others = (w.load() for w in serving if w.id != job.avoid)
-        worker_id = pick_worker(others, job.model, job.endpoint, prefix, job.need)
+        worker_id = pick_worker(others, job.model, job.endpoint, prefix, job.need, now)
         if worker_id is None and job.avoid is not None:
             everyone = (w.load() for w in serving)
-            worker_id = pick_worker(everyone, job.model, job.endpoint, prefix, job.need)
+            worker_id = pick_worker(everyone, job.model, job.endpoint, prefix, job.need, now)
         return self.registry.get(worker_id) if worker_id else None
 
     def adopt(

@@ -34,7 +34,7 @@ from shoal.protocol.telemetry import GpuSample
 from shoal.router.dispatch.job import Job
 from shoal.router.dispatch.model_views import ModelView, ModelViews
 from shoal.router.dispatch.outbox import Outbox
-from shoal.router.dispatch.scheduler import WorkerLoad, contexts_of
+from shoal.router.dispatch.scheduler import ModelLoad, WorkerLoad, contexts_of
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,10 @@ class WorkerConnection:
     """The most RAM split models may plan on here (``Register.shard_ram_bytes``)."""
     gpus_unused: str | None = None
     """Why its GPUs sit idle (``Register.gpus_unused``; None: they do not)."""
+    model_budget_bytes: int | None = None
+    """What its resident text models may hold together (``Register.model_budget_bytes``)."""
+    assigned: dict[ModelName, float] = field(default_factory=dict)
+    """Each model's last job placed here by this router (monotonic): ``ModelLoad``."""
     draining: bool = False
     """It is stopping (``Draining``): it takes no new job and finishes those it runs."""
     cached: frozenset[int] = frozenset()
@@ -135,6 +139,7 @@ class WorkerConnection:
             no_shards=msg.no_shards,
             shard_ram_bytes=msg.shard_ram_bytes,
             gpus_unused=msg.gpus_unused,
+            model_budget_bytes=msg.model_budget_bytes,
             heartbeat_interval=interval,
             miss_interval=interval,
         )
@@ -256,6 +261,26 @@ class WorkerConnection:
             and not self.draining
         )
 
+    def running_of(self, model: ModelName) -> int:
+        """The jobs of ``model`` running here."""
+        return sum(1 for job in self.running.values() if job.model == model)
+
+    def residency(self) -> tuple[ModelLoad, ...]:
+        """Its models that report a state of their own, with their jobs here."""
+        return tuple(
+            ModelLoad(
+                m.name,
+                m.state,
+                m.slots,
+                self.running_of(m.name),
+                m.resident_bytes,
+                m.pinned,
+                self.assigned.get(m.name, 0.0),
+            )
+            for m in self.models
+            if m.state is not None
+        )
+
     def load(self) -> WorkerLoad:
         return WorkerLoad(
             id=self.id,
@@ -267,6 +292,8 @@ class WorkerConnection:
             last_assigned=self.last_assigned,
             cached=self.cached,
             contexts=self.contexts,
+            residency=self.residency(),
+            budget=self.model_budget_bytes,
         )
 
     def models_json(self) -> list[dict[str, object]]:
@@ -296,6 +323,8 @@ class WorkerConnection:
             "gpu_telemetry": [g.model_dump(mode="json") for g in self.gpu_telemetry],
             "stage_memory_bytes": self.stage_memory_bytes,
             "gpus_unused": self.gpus_unused,
+            "model_budget_bytes": self.model_budget_bytes,
+            "running_by_model": self._running_by_model(),
             "shard_devices": [d.model_dump(mode="json") for d in self.shard_devices],
             "backend_url": self.backend_url,
             "software": self.software,
@@ -304,6 +333,11 @@ class WorkerConnection:
             "last_seen_s_ago": round(time.monotonic() - self.last_seen, 3),
             "cached_blocks": sorted(self.cached),
         }
+
+    def _running_by_model(self) -> dict[str, int]:
+        """The jobs running here per model, for models with a state of their own (with Redis
+        the other routers rank this worker by them: ``RemoteWorker.load``)."""
+        return {m.name: self.running_of(m.name) for m in self.models if m.state is not None}
 
 
 class Registry:

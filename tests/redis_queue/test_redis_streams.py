@@ -34,6 +34,7 @@ from shoal.jobs.events import (
     Done,
     Failed,
     JobEvent,
+    Loading,
     Requeued,
     Result,
     Trail,
@@ -428,6 +429,24 @@ async def test_the_worker_running_a_job_is_published_unnumbered(queue: Factory) 
     ]
 
 
+async def test_a_models_load_is_published_unnumbered(queue: Factory) -> None:
+    """``Loading`` (the job waits while its worker loads its model) is not output: no
+    sequence number (a resuming worker's chunk count stays right), and the job may still
+    run again after it."""
+    router, worker = queue("r1"), queue("w1")
+    j = job()
+    await router.enqueue(j)
+    claimed = await claim_one(worker)
+    assert await worker.publish(claimed, Loading("m")) is Lease.HELD
+    assert claimed.seq == 0
+    assert await worker.requeue(claimed, "backend restarting")
+    again = await claim_one(worker)
+    await worker.publish(again, Data("a"))
+    await worker.publish(again, Done())
+    evs = await read_all(router, j.id)
+    assert Loading("m") in evs and evs[-2:] == [Data("a"), Done()]
+
+
 # ---------------------------------------------------------------- cancel, bound, events
 
 
@@ -750,6 +769,7 @@ async def test_prune_removes_only_idle_consumers_holding_nothing(queue: Factory)
         Assigned("w-1", 3),
         Assigned("router-1", 2, "gpu-1-ab12cd"),
         Requeued("backend restarting"),
+        Loading("qwen-7b"),
     ],
 )
 def test_events_round_trip_through_json(event: JobEvent) -> None:

@@ -14,11 +14,14 @@ Wire form, one JSON object per event (``t`` is the tag)::
     {"t":"failed","status":502,"error":{"message":"...","type":"...","code":"..."}}
     {"t":"assigned","consumer":"w1","attempt":1}  {"t":"requeued","reason":"..."}
     {"t":"assigned","consumer":"w1","attempt":1,"worker":"gpu-1-ab12cd"}
-    {"t":"requeued","reason":"...","need":3527}
+    {"t":"requeued","reason":"...","need":3527}  {"t":"loading","model":"qwen-7b"}
 
 ``worker`` is optional: readers that do not know it ignore it, and an event without it (from
 the queue, or an older consumer) names no worker. So is ``need``: the context a job whose
-prompt a worker refused as too long needs from now on.
+prompt a worker refused as too long needs from now on. ``Loading`` says the job waits while
+its worker loads its model (``JobLoading``): a streamed answer shows the client an SSE
+comment; it is not output (unnumbered in the stream, like ``Assigned``) and the job can
+still run again after it.
 """
 
 from __future__ import annotations
@@ -53,6 +56,13 @@ class Failed:
 
 
 @dataclass(frozen=True, slots=True)
+class Loading:
+    """The job waits while its worker loads ``model`` (it was not resident there)."""
+
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
 class Assigned:
     consumer: str
     attempt: int
@@ -81,7 +91,7 @@ class Trail:
     created: int | None = None
 
 
-OutputEvent = Data | Result | Done | Failed
+OutputEvent = Data | Result | Done | Failed | Loading
 """What a job's holder publishes."""
 
 Published = OutputEvent | Assigned | Trail
@@ -163,11 +173,14 @@ def encode(event: JobEvent | Trail) -> bytes:
             if worker is not None:
                 obj["worker"] = worker
             return orjson.dumps(obj)
-        case Requeued():
-            return _requeued(event)
+        case Requeued() | Loading():
+            return _waiting(event)
 
 
-def _requeued(event: Requeued) -> bytes:
+def _waiting(event: Requeued | Loading) -> bytes:
+    """The events that say a job waits on (not output)."""
+    if isinstance(event, Loading):
+        return orjson.dumps({"t": "loading", "model": event.model})
     requeued: dict[str, object] = {"t": "requeued", "reason": event.reason}
     if event.need is not None:
         requeued["need"] = event.need
@@ -197,6 +210,8 @@ def _from_dict(obj: dict[str, Any]) -> JobEvent:
             return Assigned(
                 str(obj["consumer"]), int(obj["attempt"]), None if worker is None else str(worker)
             )
+        case "loading":
+            return Loading(str(obj["model"]))
         case "requeued":
             need = obj.get("need")
             return Requeued(str(obj["reason"]), None if need is None else int(need))

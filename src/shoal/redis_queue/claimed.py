@@ -32,7 +32,7 @@ from redis.typing import EncodableT
 
 from shoal.jobs import events
 from shoal.jobs.answer import AnswerSoFar, answer_of_trail
-from shoal.jobs.events import Assigned, Failed, Published, Requeued, Trail
+from shoal.jobs.events import Assigned, Failed, Loading, Published, Requeued, Trail
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import Continuation, Endpoint, ErrorBody
 from shoal.redis_queue.calls import QueueCalls
@@ -46,6 +46,7 @@ _KINDS = {
     events.Done: "x",
     events.Failed: "f",
     events.Assigned: "a",
+    events.Loading: "a",  # not output: unnumbered, written as it comes
     events.Trail: "t",
 }
 
@@ -150,7 +151,9 @@ class Leases:
             return {}
         args: list[EncodableT] = []
         for claimed, event in items:
-            seq = claimed.seq if isinstance(event, Assigned | Trail) else claimed.next_seq()
+            seq = (
+                claimed.seq if isinstance(event, Assigned | Loading | Trail) else claimed.next_seq()
+            )
             args += [claimed.job.id, seq, _KINDS[type(event)]]
             args.append(events.encode(event))
         codes = await self.calls.run("PUBLISH", [], args)

@@ -128,8 +128,9 @@ local function trail(j, t)
 end
 
 -- Append output events of jobs C holds. ARGV[8..]: (job id, seq, kind, payload) quads,
--- kind d(ata) r(esult) x (done) f(ailed), or a(ssigned): the worker C runs the job on, or
--- t(rail): what the client has, kept in the job's hash; both unnumbered (seq ignored).
+-- kind d(ata) r(esult) x (done) f(ailed), or a(ssigned): the worker C runs the job on (or
+-- that it loads the job's model), or t(rail): what the client has, kept in the job's hash;
+-- both unnumbered (seq ignored).
 -- A seq at or below the job's last one was already written (a re-sent call) and is skipped.
 -- A final event ends the job and acks its entry.
 -- Per event: 1 written (or already), 0 not C's job any more, 2 cancelled.

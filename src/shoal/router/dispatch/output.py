@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from shoal.jobs.events import Data, Failed, OutputEvent, Requeued
+from shoal.jobs.events import Data, Failed, Loading, OutputEvent, Requeued
 from shoal.router.dispatch.job import Job, JobState
 from shoal.router.observe.metrics import Metrics
 
@@ -51,6 +51,9 @@ class JobOutput:
             return  # cancelled while the output was in flight
         if isinstance(event, Data):
             self._data(job, event, now)
+            return
+        if isinstance(event, Loading):  # it waits on: no output yet, nothing moves
+            job.deliver(event)
             return
         if job.state is JobState.QUEUED:  # its Assigned event was overtaken
             job.transition(JobState.ASSIGNED, "answered")

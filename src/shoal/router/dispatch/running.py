@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import Generic, Protocol, TypeVar
 
 from shoal.jobs.answer import AnswerSoFar
-from shoal.jobs.events import Data, Failed, OutputEvent, from_worker, worker_lost
+from shoal.jobs.events import Data, Failed, Loading, OutputEvent, from_worker, worker_lost
 from shoal.jobs.failure import Failure, Next, Sent, after_failure, failure_of
 from shoal.protocol.ids import JobId
 from shoal.protocol.messages import (
@@ -47,6 +47,7 @@ from shoal.protocol.messages import (
     JobCancel,
     JobDone,
     JobFailed,
+    JobLoading,
     JobResult,
     JobStart,
 )
@@ -284,6 +285,16 @@ class Running(Generic[T]):
         # (not streamed: progress, the ids so far to go on from; the answer comes whole)
         if self._preempt and before < MIN_TOKENS <= len(placed.answer.tokens):
             self._capacity()  # it may be paused now for a job waiting
+
+    def on_loading(self, worker: WorkerConnection, msg: JobLoading, now: float) -> None:
+        """The job waits while its worker loads its model: a streamed answer's client is told
+        (an SSE comment); a non-streamed one just waits."""
+        placed = self._held_by(worker, msg.job_id)
+        if placed is None:
+            return
+        log.info("job %s model=%s: worker %s loads the model", placed.job.id, msg.model, worker.id)
+        if placed.job.stream:
+            self._sink.output(placed.ticket, Loading(msg.model), now)
 
     def on_end(self, worker: WorkerConnection, msg: JobDone | JobResult, now: float) -> None:
         placed = self._held_by(worker, msg.job_id)

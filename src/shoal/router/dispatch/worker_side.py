@@ -25,6 +25,7 @@ from shoal.protocol.messages import (
     JobCancel,
     JobDone,
     JobFailed,
+    JobLoading,
     JobResult,
     ModelsChanged,
     Register,
@@ -123,6 +124,8 @@ class WorkerSide:
             case Chunks(items=items):
                 for item in items:
                     self.running.on_chunk(worker, item.job_id, item.data, item.tokens, now)
+            case JobLoading():
+                self.running.on_loading(worker, msg, now)
             case JobDone() | JobResult():
                 self.running.on_end(worker, msg, now)
                 self._cache_changed()

@@ -18,7 +18,7 @@ from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from shoal.jobs.events import Failed, Requeued, Result
+from shoal.jobs.events import Failed, Loading, Requeued, Result
 from shoal.protocol.messages import Endpoint
 from shoal.router.admission.image_requests import (
     CheckedImageRequest,
@@ -104,6 +104,8 @@ async def run_a1111(request: Request, endpoint: Endpoint) -> Response:
             event = await job.events.get()
             if isinstance(event, Requeued):
                 await ctx.dispatcher.wait_assigned(job)
+            elif isinstance(event, Loading):
+                continue  # its model loads: it waits on
             elif isinstance(event, Failed):
                 raise UpstreamError(event.status, event.error)
             elif isinstance(event, Result):

@@ -4,6 +4,11 @@
 disconnects while the job waits or streams, the job is cancelled and the worker stops it. Past
 ``--job-timeout`` from its submission the job is cancelled too, and the client gets a 504
 ``job_timeout`` error (as the stream's error event, when the stream has started).
+
+A streamed job whose worker loads its model first (``Loading``) starts its stream then, and
+shows ``: loading model=<name>`` (an SSE comment, which clients ignore) before its first
+token; whatever ends it after that (a failure, ``--max-wait``, ``--job-timeout``) is its
+stream's error event. A non-streamed job just waits.
 """
 
 from __future__ import annotations
@@ -16,7 +21,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from shoal.jobs.events import ClientEvent, Data, Done, Failed, Requeued, Result, worker_lost
+from shoal.jobs.events import (
+    ClientEvent,
+    Data,
+    Done,
+    Failed,
+    Loading,
+    Requeued,
+    Result,
+    worker_lost,
+)
 from shoal.router.admission.accounting import Accounting, Ticket
 from shoal.router.admission.result_cache.interface import CacheFill
 from shoal.router.admission.usage import asks_usage, for_client
@@ -149,9 +163,13 @@ class JobResponse(Response):
                 return
         try:
             await self.dispatcher.wait_assigned(job)
-            first = await self._next_answer()
+            first = await self._next_answer(loading=job.stream)
         except RouterError as exc:
             await self._refuse(scope, send, exc)
+            return
+        if isinstance(first, Loading):
+            await self._start(send, 200, _SSE_HEADERS)
+            await self._stream_started(send, first)
             return
         if isinstance(first, Result):
             self.answer = first.body
@@ -171,13 +189,15 @@ class JobResponse(Response):
         self.status_code = response.status_code
         await response(scope, _no_receive, send)
 
-    async def _next_answer(self) -> ClientEvent:
-        """The first event that answers the client, waiting again if the job is re-queued."""
+    async def _next_answer(self, loading: bool = False) -> ClientEvent:
+        """The first event that answers the client, waiting again if the job is re-queued;
+        ``loading``: or that its model loads (else that is passed over)."""
         while True:
             event = await self.job.events.get()
-            if not isinstance(event, Requeued):
+            if isinstance(event, Requeued):
+                await self.dispatcher.wait_assigned(self.job)
+            elif not isinstance(event, Loading) or loading:
                 return event
-            await self.dispatcher.wait_assigned(self.job)
 
     async def _start(self, send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         headers = [*headers, (REQUEST_ID.encode(), self.job.id.encode())]
@@ -198,14 +218,30 @@ class JobResponse(Response):
         follows in a comment too. Refused after all (past ``--max-wait``): an error event."""
         await self._start(send, 200, _SSE_HEADERS)
         await _send_more(send, f": queued position={first_place}\n\n".encode())
+        await self._stream_started(send, None, positions)
+
+    async def _stream_started(
+        self, send: Send, loading: Loading | None, positions: AsyncIterator[int] | None = None
+    ) -> None:
+        """A stream whose headers left before its first token: its places in the queue, the
+        worker (when unknown as the headers left), ``: loading`` while its model loads, then
+        its events. Refused after all (past ``--max-wait``): an error event."""
+        named = positions is None  # its headers named the worker
         try:
-            async for place in positions:
-                await _send_more(send, f": queued position={place}\n\n".encode())
-            first = await self._next_answer()
+            if positions is not None:
+                async for place in positions:
+                    await _send_more(send, f": queued position={place}\n\n".encode())
+            first = loading or await self._next_answer(loading=True)
+            while isinstance(first, Loading):
+                if self.job.worker_id and not named:
+                    await _send_more(send, f": worker={self.job.worker_id}\n\n".encode())
+                    named = True
+                await _send_more(send, _loading_comment(first))
+                first = await self._next_answer(loading=True)
         except RouterError as exc:
             await send({"type": "http.response.body", "body": self.dialect.error_event(exc)})
             return
-        if self.job.worker_id:
+        if self.job.worker_id and not named:
             await _send_more(send, f": worker={self.job.worker_id}\n\n".encode())
         if isinstance(first, Data):
             await self._stream_events(send, first)
@@ -276,6 +312,8 @@ class JobResponse(Response):
                 if self.fill is not None:
                     self.fill.data(data)
                 buf += self.dialect.event(data)
+            elif isinstance(event, Loading):  # going on on a worker that loads it first
+                buf += _loading_comment(event)
             elif isinstance(event, Done):
                 buf += self.dialect.done
                 return buf, event
@@ -301,6 +339,10 @@ class _Sent:
         elif message["type"] == "http.response.body" and not message.get("more_body", False):
             self.complete = True
         await self._send(message)
+
+
+def _loading_comment(event: Loading) -> bytes:
+    return f": loading model={event.model}\n\n".encode()
 
 
 async def _send_more(send: Send, body: bytes) -> None:

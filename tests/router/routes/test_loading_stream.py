@@ -1,0 +1,120 @@
+"""``JobLoading`` through a real router process and a stand-in worker speaking the real
+protocol: a streamed answer shows ``: loading model=…`` before its first token (the official
+``openai`` client passes over it and parses the answer); a non-streamed one just waits; a
+failure after the comment still reaches the client, as its stream's error event."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from cluster import API_KEY, GPU_KEY, Cluster, Router
+from shoal.protocol.ids import ModelName
+from shoal.protocol.messages import BackendState, Endpoint, ModelInfo
+from standin_worker import StandInWorker
+
+A = ModelName("multi-a")
+GB = 1 << 30
+
+
+@pytest.fixture
+def router(tmp_path: Path) -> Iterator[Router]:
+    """A real router process (no llama-server needed: its worker is a stand-in)."""
+    cluster = Cluster(tmp_path, Path("unused-llama-server"), Path("unused-model"))
+    try:
+        yield cluster.router()
+    finally:
+        cluster.stop_all()
+
+
+@pytest.fixture
+def standin(router: Router) -> Iterator[StandInWorker]:
+    info = ModelInfo(
+        name=A,
+        endpoints=(Endpoint.CHAT,),
+        state=BackendState.UNLOADED,
+        slots=2,
+        resident_bytes=2 * GB,
+    )
+    worker = StandInWorker(f"127.0.0.1:{router.port}", GPU_KEY, [info], budget=8 * GB)
+    worker.start()
+    router.wait_workers(1)
+    try:
+        yield worker
+    finally:
+        worker.stop()
+
+
+def _ask(text: str, stream: bool) -> dict[str, object]:
+    return {"model": A, "messages": [{"role": "user", "content": text}], "stream": stream}
+
+
+def _raw_stream(router: Router, text: str) -> str:
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream(
+            "POST",
+            router.url + "/v1/chat/completions",
+            json=_ask(text, True),
+            headers=router.headers,
+        ) as response,
+    ):
+        assert response.status_code == 200
+        return "".join(response.iter_text())
+
+
+def test_a_stream_shows_the_load_before_its_first_token(
+    router: Router, standin: StandInWorker
+) -> None:
+    body = _raw_stream(router, "hi")
+    assert body.startswith(f": loading model={A}\n\n"), body[:200]
+    events = [e for e in body.split("\n\n") if e]
+    assert events[0] == f": loading model={A}"
+    data = [orjson.loads(e.removeprefix("data: ")) for e in events if e.startswith("data: {")]
+    assert "".join(d["choices"][0]["delta"]["content"] for d in data) == "Hello there"
+    assert events[-1] == "data: [DONE]"
+    # resident now: the next stream has no such comment
+    assert ": loading" not in _raw_stream(router, "again")
+
+
+def test_the_openai_client_passes_over_the_comment(
+    router: Router, standin: StandInWorker, make_client: Callable[..., openai.OpenAI]
+) -> None:
+    client = make_client(router.url, API_KEY)
+    stream = client.chat.completions.create(
+        model=A, messages=[{"role": "user", "content": "hi"}], stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == "Hello there"
+    assert standin.models[A].state is BackendState.READY
+
+
+def test_a_non_streamed_job_just_waits(
+    router: Router, standin: StandInWorker, make_client: Callable[..., openai.OpenAI]
+) -> None:
+    reply = make_client(router.url, API_KEY).chat.completions.create(
+        model=A, messages=[{"role": "user", "content": "hi"}]
+    )
+    assert reply.choices[0].message.content == "Hello there"
+
+
+def test_a_failure_after_the_load_is_the_streams_error_event(
+    router: Router, standin: StandInWorker, make_client: Callable[..., openai.OpenAI]
+) -> None:
+    body = _raw_stream(router, "please FAIL")
+    events = [e for e in body.split("\n\n") if e]
+    assert events[0] == f": loading model={A}"
+    error = orjson.loads(events[-1].removeprefix("data: "))["error"]
+    assert "the stand-in failed it" in error["message"]
+    assert "[DONE]" not in body
+    client = make_client(router.url, API_KEY)
+    with pytest.raises(openai.APIError, match="the stand-in failed it"):
+        for _ in client.chat.completions.create(
+            model=A, messages=[{"role": "user", "content": "FAIL"}], stream=True
+        ):
+            pass

@@ -26,8 +26,10 @@ def worker_connection(
     slots: int = 1,
     ram_bytes: int = 1,
     worker_id: str | None = None,
+    model_budget_bytes: int | None = None,
 ) -> WorkerConnection:
-    """A registered worker named ``name`` (its id too, unless given) serving ``models``."""
+    """A registered worker named ``name`` (its id too, unless given) serving ``models``
+    (``model_budget_bytes``: a worker serving several text models, each loading apart)."""
     hardware = Hardware(
         hostname=name,
         os="linux",
@@ -44,6 +46,7 @@ def worker_connection(
             models=tuple(models),
             slots=slots,
             state=BackendState.READY,
+            model_budget_bytes=model_budget_bytes,
         ),
         peer="test",
     )

@@ -21,6 +21,8 @@ model_infos = st.builds(
     name=st.sampled_from(NAMES),
     endpoints=st.lists(st.sampled_from(list(Endpoint)), max_size=3, unique=True).map(tuple),
     context_length=st.sampled_from([None, 512, 2048]),
+    resident_bytes=st.sampled_from([None, 1 << 30, 2 << 30]),
+    load_seconds=st.sampled_from([None, 0.5, 3.0]),
     state=st.sampled_from([None, *BackendState]),
 )
 models = st.lists(model_infos, max_size=3).map(tuple)
@@ -71,6 +73,10 @@ def check(registry: Registry) -> None:
         assert view.states == Counter(m.state or w.backend_state for w, m in mine)
         assert view.endpoints == Counter(e for _, m in mine for e in m.endpoints)
         assert view.context == Counter(m.context_length for _, m in mine)
+        sizes = Counter(m.resident_bytes for _, m in mine if m.resident_bytes is not None)
+        assert view.resident_bytes == sizes
+        times = Counter(m.load_seconds for _, m in mine if m.load_seconds is not None)
+        assert view.load_seconds == times
         assert min(view.created) == int(min(w.connected_at for w, _ in mine))
         assert view.entries() == len(mine)
         for endpoint in Endpoint:

@@ -60,13 +60,25 @@ class Share:
     context: int | None
     created: int
     """When the worker connected, whole seconds of wall-clock time (``/v1/models`` created)."""
+    resident_bytes: int | None = None
+    """What the model holds there when loaded (``ModelInfo.resident_bytes``)."""
+    load_seconds: float | None = None
+    """Its last load there took this long (``ModelInfo.load_seconds``)."""
 
 
 def shares_of(worker: Member) -> tuple[Share, ...]:
     """What ``worker`` adds to the views: one share per model it serves."""
     created = int(worker.connected_at)
     return tuple(
-        Share(m.name, m.state or worker.backend_state, m.endpoints, m.context_length, created)
+        Share(
+            m.name,
+            m.state or worker.backend_state,
+            m.endpoints,
+            m.context_length,
+            created,
+            m.resident_bytes,
+            m.load_seconds,
+        )
         for m in worker.models
     )
 
@@ -86,6 +98,10 @@ class ModelView(Generic[W]):
     """Per endpoint, the workers serving the model for it."""
     workers: Counter[WorkerId] = field(default_factory=Counter)
     """The workers serving it (a count, in case one lists the model twice)."""
+    resident_bytes: Counter[int] = field(default_factory=Counter)
+    """How many of its entries report each resident size (where they report one)."""
+    load_seconds: Counter[float] = field(default_factory=Counter)
+    """How many of its entries report each last load time (where they report one)."""
 
     def add(self, worker: W, share: Share, sign: int) -> None:
         """Count ``share`` in (``sign`` +1) or out (-1)."""
@@ -93,6 +109,10 @@ class ModelView(Generic[W]):
         _bump(self.created, share.created, sign)
         _bump(self.context, share.context, sign)
         _bump(self.workers, worker.id, sign)
+        if share.resident_bytes is not None:
+            _bump(self.resident_bytes, share.resident_bytes, sign)
+        if share.load_seconds is not None:
+            _bump(self.load_seconds, share.load_seconds, sign)
         for endpoint in share.endpoints:
             _bump(self.endpoints, endpoint, sign)
             _bump(self.contexts.setdefault(endpoint, Counter()), share.context, sign)

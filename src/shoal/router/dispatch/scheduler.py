@@ -55,7 +55,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from shoal.models.residency import Admit, Footprint, Resident, admit
+from shoal.models.residency import Admit, Decision, Footprint, Resident, admit
 from shoal.protocol.ids import ModelName, WorkerId
 from shoal.protocol.messages import BackendState, Endpoint, ModelInfo
 from shoal.protocol.prefix import expected_tokens, held_blocks
@@ -188,8 +188,18 @@ def residency_of(w: WorkerLoad, model: ModelName) -> tuple[Residency, tuple[str,
         return Residency.RESIDENT, ()
     if own.holds_memory:
         return Residency.LOADING, ()
+    decision = admission(w, own)
+    if not isinstance(decision, Admit):
+        return None
+    return (Residency.EVICTS if decision.evict else Residency.LOADS), decision.evict
+
+
+def admission(w: WorkerLoad, own: ModelLoad) -> Decision:
+    """What loading ``own`` (one of ``w``'s models) takes there now, as the worker would
+    decide (``models.residency.admit`` on what it reports): ``Admit()`` when it says no
+    budget (it decides itself). A model of unknown size counts as the whole budget."""
     if w.budget is None:
-        return Residency.LOADS, ()  # it says nothing of its memory: it decides
+        return Admit()
     need = Footprint(ram=w.budget if own.resident_bytes is None else own.resident_bytes)
     held = [
         Resident(
@@ -200,12 +210,9 @@ def residency_of(w: WorkerLoad, model: ModelName) -> tuple[Residency, tuple[str,
             busy=m.running > 0 or not m.resident,
         )
         for m in w.residency
-        if m.holds_memory and m.name != model
+        if m.holds_memory and m.name != own.name
     ]
-    decision = admit(model, need, held, Footprint(ram=w.budget))
-    if not isinstance(decision, Admit):
-        return None
-    return (Residency.EVICTS if decision.evict else Residency.LOADS), decision.evict
+    return admit(own.name, need, held, Footprint(ram=w.budget))
 
 
 def _resident_somewhere(workers: Iterable[WorkerLoad], model: ModelName) -> bool:

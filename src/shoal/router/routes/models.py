@@ -1,4 +1,14 @@
-"""GET /v1/models: the models connected workers serve, under their public names."""
+"""GET /v1/models: the models connected workers serve, under their public names, each with
+its state and, in Shoal's extension fields, where it is resident (``residency``: how many
+workers hold it loaded, could load it, are loading it), its resident bytes and its last
+load time; ``GET /v1/models/{id}`` names each worker (``placements``).
+
+``POST /api/v1/models/load|unload`` (admin key): image models on every worker serving them
+(or the one named); text models of workers that report a per-model state (several text
+models per worker) on one worker: the one named, else the one a job would load it on
+(``scheduler.choose``: free memory first, then the cheapest eviction). 404: nobody serves
+it; 409: no worker can now (it does not fit beside pinned or busy models, or is not loaded
+anywhere to unload); 400: a model loaded for as long as its worker runs."""
 
 from __future__ import annotations
 
@@ -9,10 +19,13 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
-from shoal.protocol.ids import ModelName
+from shoal.models.residency import Admit
+from shoal.protocol.ids import ModelName, WorkerId
 from shoal.protocol.messages import BackendState, ModelControl, ModelInfo
+from shoal.router.dispatch.scheduler import admission, choose
 from shoal.router.dispatch.worker_names import resolve_workers
-from shoal.router.errors import BadRequest, ModelNotFound
+from shoal.router.dispatch.workers import WorkerConnection
+from shoal.router.errors import BadRequest, Conflict, ModelNotFound
 from shoal.router.routes.common import json_response
 from shoal.router.routes.context import context
 
@@ -31,6 +44,23 @@ _STATE_ORDER = (
 def model_state(states: Counter[BackendState]) -> str:
     """A model's state is the best of its workers': ready beats unloaded beats loading..."""
     return next((s.value for s in _STATE_ORDER if states[s]), BackendState.FAILED.value)
+
+
+_RESIDENCY = {
+    BackendState.READY: "resident",
+    BackendState.UNLOADED: "loadable",
+    BackendState.LOADING: "loading",
+    BackendState.RESTARTING: "loading",
+    BackendState.FAILED: "failed",
+}
+"""A worker's state for a model, as residency (``/v1/models``)."""
+
+
+def residency_counts(states: Counter[BackendState]) -> dict[str, int]:
+    counts: Counter[str] = Counter()
+    for state, n in states.items():
+        counts[_RESIDENCY[state]] += n
+    return dict(sorted(counts.items()))
 
 
 def _remote(request: Request, name: ModelName) -> list[tuple[BackendState, float, ModelInfo]]:
@@ -57,11 +87,15 @@ def _model_entry(request: Request, name: str) -> dict[str, object]:
     created = [int(at) for _, at, _ in remote]
     endpoints = {e.path for _, _, m in remote for e in m.endpoints}
     contexts = [m.context_length or 0 for _, _, m in remote]
+    sizes = [m.resident_bytes for _, _, m in remote if m.resident_bytes is not None]
+    loads = [m.load_seconds for _, _, m in remote if m.load_seconds is not None]
     if view is not None:
         states.update(view.states)
         created.append(min(view.created))
         endpoints |= {e.path for e in view.endpoints}
         contexts += [n or 0 for n in view.context]
+        sizes += view.resident_bytes.keys()
+        loads += view.load_seconds.keys()
     return {
         "id": name,
         "object": "model",
@@ -74,7 +108,37 @@ def _model_entry(request: Request, name: str) -> dict[str, object]:
         "endpoints": sorted(endpoints),
         "context_length": max(contexts, default=0) or None,
         "queued": ctx.dispatcher.queue_depths().get(ModelName(name), 0),
+        "residency": residency_counts(states),
+        "resident_bytes": max(sizes, default=None),
+        "load_seconds": max(loads, default=None),
     }
+
+
+def _placements(request: Request, name: ModelName) -> list[dict[str, object]]:
+    """Each worker serving ``name``, with its residency there (``GET /v1/models/{id}``)."""
+    ctx = context(request)
+    served = [
+        (w.id, w.name, m.state or w.backend_state, m) for w, m in ctx.registry.model_info(name)
+    ]
+    for r in ctx.dispatcher.remote_workers():
+        served += [
+            (r.id, str(r.summary.get("name", r.id)), m.state or r.state, m)
+            for m in r.models
+            if m.name == name
+        ]
+    return [
+        {
+            "worker": worker_id,
+            "worker_name": worker_name,
+            "residency": _RESIDENCY[state],
+            "resident_bytes": m.resident_bytes,
+            "load_seconds": m.load_seconds,
+            "pinned": m.pinned,
+            "loads": m.loads,
+            "evictions": m.evictions,
+        }
+        for worker_id, worker_name, state, m in sorted(served, key=lambda s: s[0])
+    ]
 
 
 @router.get("/v1/models")
@@ -95,19 +159,25 @@ async def get_model(request: Request, model_id: str) -> Response:
         raise ModelNotFound(
             f"The model {model_id!r} is not served by any connected worker.", param="model"
         )
-    return json_response(_model_entry(request, model_id))
+    entry = _model_entry(request, model_id)
+    entry["placements"] = _placements(request, ModelName(model_id))
+    return json_response(entry)
 
 
 class ControlRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(description="A model that loads and unloads on request (image models).")
+    model: str = Field(
+        description="A model that loads and unloads on request: an image model, or a text "
+        "model of a worker serving several."
+    )
     worker: str | None = Field(None, description="Only this worker (name or id); default: all.")
 
 
 @router.post("/api/v1/models/load", status_code=202)
 async def load_model(request: Request, body: ControlRequest) -> Response:
-    """Load a model now on the workers that serve it (making room as a job would)."""
+    """Load a model now (making room as a job would): an image model on the workers that
+    serve it, a text model on one (module docstring)."""
     return await _control(request, body, "load")
 
 
@@ -140,13 +210,71 @@ async def _control(
     if all(m.state is None for _, m in served):
         raise BadRequest(
             f"{body.model!r} is loaded for as long as its worker runs; only models that load "
-            "and unload on their own (image models) can be loaded or unloaded on request. "
-            "Use --idle-unload on the worker to free a text model's memory when idle.",
+            "and unload on their own (image models, and text models of a worker serving "
+            "several) can be loaded or unloaded on request. Use --idle-unload on the worker to "
+            "free a text model's memory when idle.",
             param="model",
         )
-    told = []
-    for worker, info in served:
-        if info.state is not None:
-            worker.send(ModelControl(model=info.name, action=action))
-            told.append({"worker": worker.id, "worker_name": worker.name, "was": info.state})
+    own = [(w, m) for w, m in served if m.state is not None]
+    if any(e.is_image for _, m in own for e in m.endpoints):
+        told = [_tell(w, m, action) for w, m in own]
+    elif action == "load":
+        told = [_load_text(own, ModelName(body.model))]
+    else:
+        told = _unload_text(own, body.model)
     return json_response({"model": body.model, "action": action, "workers": told}, status=202)
+
+
+def _tell(
+    worker: WorkerConnection,
+    info: ModelInfo,
+    action: Literal["load", "unload"],
+    evict: tuple[str, ...] | None = None,
+) -> dict[str, object]:
+    worker.send(ModelControl(model=info.name, action=action))
+    told: dict[str, object] = {"worker": worker.id, "worker_name": worker.name, "was": info.state}
+    if evict is not None:
+        told["evicts"] = list(evict)
+    return told
+
+
+def _load_text(
+    served: list[tuple[WorkerConnection, ModelInfo]], model: ModelName
+) -> dict[str, object]:
+    """Load a text model on one worker: the only one named, else where a job would load it;
+    409 when none can now, saying why."""
+    by_id: dict[WorkerId, tuple[WorkerConnection, ModelInfo]] = {w.id: (w, m) for w, m in served}
+    if len(served) > 1:
+        endpoint = served[0][1].endpoints[0]
+        chosen = choose([w.load() for w, _ in served], model, endpoint)
+        if chosen is not None:
+            worker, info = by_id[chosen.worker]
+            return _tell(worker, info, "load", chosen.evict)
+    why = []
+    for worker, info in served:
+        load = worker.load()
+        own = load.model(model)
+        if own is None:
+            continue
+        decision = admission(load, own)
+        if isinstance(decision, Admit) and worker.available:
+            return _tell(worker, info, "load", decision.evict)
+        reason = "it takes no jobs now" if isinstance(decision, Admit) else decision.reason
+        why.append(f"{worker.name} ({worker.id}): {reason}")
+    raise Conflict(
+        f"No worker can load {model!r} now. " + "; ".join(why), param="model", code="cannot_load"
+    )
+
+
+def _unload_text(
+    served: list[tuple[WorkerConnection, ModelInfo]], model: str
+) -> list[dict[str, object]]:
+    """Unload a text model where it is loaded (or loading); 409 where it is not."""
+    loaded = [(w, m) for w, m in served if m.state is not BackendState.UNLOADED]
+    if not loaded:
+        raise Conflict(
+            f"{model!r} is not loaded on any worker named; nothing to unload.",
+            param="model",
+            code="not_loaded",
+        )
+    return [_tell(w, m, "unload") for w, m in loaded]

@@ -1,7 +1,8 @@
 """``JobLoading`` through a real router process and a stand-in worker speaking the real
 protocol: a streamed answer shows ``: loading model=…`` before its first token (the official
 ``openai`` client passes over it and parses the answer); a non-streamed one just waits; a
-failure after the comment still reaches the client, as its stream's error event."""
+failure after the comment still reaches the client, as its stream's error event. The
+worker's report of the load is scraped from ``/metrics`` (``shoal_model_*``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import httpx
 import openai
 import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster import API_KEY, GPU_KEY, Cluster, Router
 from shoal.protocol.ids import ModelName
@@ -80,6 +82,21 @@ def test_a_stream_shows_the_load_before_its_first_token(
     assert events[-1] == "data: [DONE]"
     # resident now: the next stream has no such comment
     assert ": loading" not in _raw_stream(router, "again")
+    # the worker's report of that load, scraped from /metrics
+    metrics = httpx.get(router.url + "/metrics", headers=router.headers, timeout=10)
+    assert metrics.status_code == 200, metrics.text
+    series = {
+        s.name: s.value
+        for family in text_string_to_metric_families(metrics.text)
+        for s in family.samples
+        if s.name.startswith("shoal_model_") and s.labels == {"model": A, "worker": "standin"}
+    }
+    assert series == {
+        "shoal_model_loads_total": 1,
+        "shoal_model_evictions_total": 0,
+        "shoal_model_load_seconds": 0.5,
+        "shoal_model_resident_bytes": 2 * GB,
+    }
 
 
 def test_the_openai_client_passes_over_the_comment(

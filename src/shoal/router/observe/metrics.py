@@ -44,6 +44,7 @@ from shoal.protocol.telemetry import GpuSample
 from shoal.router.observe.autoscaling import ModelSignals
 from shoal.router.observe.autoscaling import families as autoscaling_families
 from shoal.router.observe.gpu_metrics import gpu_families
+from shoal.router.observe.model_metrics import ModelSample, model_families
 
 # Buckets (upper bounds, seconds). Prometheus histograms are only as good as their buckets:
 # each range covers what a user of a small self-hosted cluster can see, with finer steps
@@ -125,6 +126,9 @@ class Snapshot:
     """Worker label -> its GPUs' latest telemetry (``gpu_metrics``: this router's workers)."""
     autoscaling: Mapping[ModelName, ModelSignals] = field(default_factory=dict)
     """Model -> its scaling signals over the whole cluster (``autoscaling``)."""
+    models: Mapping[tuple[str, str], ModelSample] = field(default_factory=dict)
+    """(model, worker label) -> its residency figures (``model_metrics``: this router's
+    workers)."""
 
 
 SnapshotSource = Callable[[], Snapshot]
@@ -242,6 +246,7 @@ class _ScrapeCollector:
             tunnel.add_metric([deployment, "to_head"], to_head)
         yield tunnel
         yield from gpu_families(snap.gpus)
+        yield from model_families(snap.models)
         yield from autoscaling_families(snap.autoscaling)
         for histogram in self.histograms:
             yield histogram.family()

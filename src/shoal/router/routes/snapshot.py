@@ -13,6 +13,7 @@ from shoal.router.dispatch.workers import Registry
 from shoal.router.observe.autoscaling import ModelSignals, WorkerSlots, signals
 from shoal.router.observe.gpu_metrics import worker_labels
 from shoal.router.observe.metrics import Snapshot
+from shoal.router.observe.model_metrics import ModelSample, sample_of
 
 
 def snapshot(registry: Registry, dispatcher: Dispatcher, deployments: Deployments) -> Snapshot:
@@ -41,6 +42,7 @@ def snapshot(registry: Registry, dispatcher: Dispatcher, deployments: Deployment
         tunnel_bytes={name: _pair(deployments.tunnels.traffic(name)) for name in relayed},
         gpus=_gpus(registry),
         autoscaling=autoscaling(registry, dispatcher),
+        models=_models(registry),
     )
 
 
@@ -75,6 +77,13 @@ def _gpus(registry: Registry) -> dict[str, tuple[GpuSample, ...]]:
     reporting = [w for w in registry if w.gpu_telemetry]
     labels = worker_labels((w.id, w.name) for w in reporting)
     return {labels[w.id]: w.gpu_telemetry for w in reporting}
+
+
+def _models(registry: Registry) -> dict[tuple[str, str], ModelSample]:
+    """Each model's residency figures per worker (``model_metrics``), by ``worker`` label."""
+    samples = [(w, m, s) for w in registry for m in w.models if (s := sample_of(m)) is not None]
+    labels = worker_labels((w.id, w.name) for w in {w.id: w for w, _, _ in samples}.values())
+    return {(m.name, labels[w.id]): s for w, m, s in samples}
 
 
 def _pair(t: TunnelBytes) -> tuple[int, int]:

@@ -295,6 +295,28 @@ function gpuTelemetry(g, s) {
   return box;
 }
 
+// A worker serving several text models: each resident one as a bar of the memory its models
+// may hold together (its model budget), and the total; loadable ones are listed as text.
+function residency(w) {
+  const budget = w.model_budget_bytes;
+  if (!(budget > 0)) return null;
+  const own = w.models.filter((m) => m.state && m.resident_bytes !== null && m.resident_bytes !== undefined);
+  const held = own.filter((m) => ["ready", "loading", "restarting"].includes(m.state));
+  const used = held.reduce((sum, m) => sum + m.resident_bytes, 0);
+  const box = el("div", { class: "residency" }, meter("Models", used, budget, "residency-total"));
+  for (const m of held) {
+    const notes = [formatBytes(m.resident_bytes)];
+    if (m.state !== "ready") notes.push(m.state);
+    if (m.pinned) notes.push("pinned");
+    const row = bar(m.name, m.resident_bytes / budget, notes.join(" · "), "of the model budget", "resident");
+    row.dataset.model = m.name;
+    box.append(row);
+  }
+  const loadable = own.filter((m) => !held.includes(m)).map((m) => m.name);
+  if (loadable.length) box.append(el("p", { class: "loadable muted", text: `loadable: ${loadable.join(", ")}` }));
+  return box;
+}
+
 function slotDots(used, total) {
   const dots = el("span", { class: "slots", title: `${used} of ${total} slots busy` });
   for (let i = 0; i < Math.min(total, 16); i += 1) {
@@ -338,6 +360,8 @@ function workerCard(w, soleServer) {
       meters.append(meter(`GPU ${g.index} memory`, g.memory_total_bytes - free, g.memory_total_bytes));
     }
   });
+  const resident = residency(w);
+  if (resident) meters.append(resident);
   meters.append(el("p", { class: "seen muted", text: `seen ${w.last_seen_s_ago.toFixed(1)} s ago` }));
   // A GPU machine whose llama.cpp build drives none of its GPUs: the badge, and the fix.
   const unused = w.gpus_unused

@@ -10,10 +10,11 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from shoal.protocol.ids import ModelName
+from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import BackendState, Endpoint, ModelInfo
 from shoal.redis_queue.keys import worker_key
 from shoal.router.dispatch.directory import WorkerDirectory
+from shoal.router.dispatch.job import Job
 from shoal.router.dispatch.workers import Registry
 from socketless import worker_connection
 
@@ -66,3 +67,62 @@ async def test_an_unchanged_entry_is_renewed_a_changed_or_lost_one_written(
     assert orjson.loads(await client.hget(key, "summary"))["state"] == "loading"
     await other.sync()
     assert [r.id for r in other.remote] == [worker.id]
+
+
+GB = 1 << 30
+
+
+def text_model(name: str, state: BackendState) -> ModelInfo:
+    return ModelInfo(
+        name=ModelName(name),
+        endpoints=(Endpoint.CHAT,),
+        state=state,
+        slots=1,
+        resident_bytes=4 * GB,
+    )
+
+
+async def test_each_models_residency_reaches_the_other_routers(
+    redis: tuple[aioredis.Redis, str],
+) -> None:
+    """A worker serving several text models: the other routers rank it by each model's own
+    state, slots, running jobs and bytes, and its budget (``RemoteWorker.load``); a job of a
+    model resident there is held for its router rather than loaded on another's worker."""
+    client, prefix = redis
+    registry = Registry()
+    worker = worker_connection(
+        "multi",
+        [text_model("a", BackendState.READY), text_model("b", BackendState.UNLOADED)],
+        model_budget_bytes=6 * GB,
+    )
+    registry.add(worker)
+    mine = WorkerDirectory(client, prefix, "router-a", registry, interval_s=5.0)
+    theirs = Registry()
+    loads_it = worker_connection(
+        "other", [text_model("a", BackendState.UNLOADED)], model_budget_bytes=6 * GB
+    )
+    theirs.add(loads_it)
+    other = WorkerDirectory(client, prefix, "router-b", theirs, interval_s=5.0)
+
+    await mine.sync()
+    await other.sync()
+    [remote] = other.remote
+    load = remote.load()
+    assert load.budget == 6 * GB
+    assert [(m.name, m.state, m.slots, m.running, m.resident_bytes) for m in load.residency] == [
+        ("a", BackendState.READY, 1, 0, 4 * GB),
+        ("b", BackendState.UNLOADED, 1, 0, 4 * GB),
+    ]
+    assert other.hold_for(ModelName("a"), Endpoint.CHAT, ()) == "router-a"
+
+    # a job of a runs there now: its one slot is taken, so nothing is held for it
+    job = Job(JobId("j1"), ModelName("a"), Endpoint.CHAT, stream=False, body={})
+    worker.hold(job.id, job)
+    await mine.sync()
+    await other.sync()
+    [remote] = other.remote
+    assert orjson.loads(await client.hget(worker_key(prefix, worker.id), "summary"))[
+        "running_by_model"
+    ] == {"a": 1, "b": 0}
+    assert [m.running for m in remote.load().residency] == [1, 0]
+    assert other.hold_for(ModelName("a"), Endpoint.CHAT, ()) is None

@@ -12,7 +12,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shoal.protocol.ids import ModelName, WorkerId
-from shoal.protocol.messages import BackendState, Endpoint
+from shoal.protocol.messages import (
+    BackendState,
+    Endpoint,
+    JobResult,
+    JobStart,
+    ModelInfo,
+    decode_router_message,
+)
+from shoal.router.dispatch.job import JobState, Submission
 from shoal.router.dispatch.scheduler import (
     THRASH_WINDOW_S,
     ModelLoad,
@@ -24,6 +32,8 @@ from shoal.router.dispatch.scheduler import (
     pick_worker,
     residency_of,
 )
+from shoal.router.dispatch.workers import WorkerConnection
+from socketless import memory_dispatcher, worker_connection
 
 A, B, C = ModelName("a"), ModelName("b"), ModelName("c")
 CHAT = Endpoint.CHAT
@@ -239,3 +249,39 @@ def test_no_eviction_of_a_recent_model_while_another_worker_could_take_it(
         assert any(NOW - x.last_assigned < THRASH_WINDOW_S for x in evicted.values()), (
             f"{chosen.worker} evicts recent {recent} while {other.id} could evict {how[1]}"
         )
+
+
+# ---------------------------------------------------------------- through the dispatcher
+
+
+def _text(name: ModelName, state: BackendState) -> ModelInfo:
+    return ModelInfo(name=name, endpoints=(CHAT,), state=state, slots=1, resident_bytes=4 * GB)
+
+
+def _starts(worker: WorkerConnection) -> list[JobStart]:
+    out = []
+    while not worker.outbox.empty():
+        msg = decode_router_message(worker.outbox.get_nowait())
+        if isinstance(msg, JobStart):
+            out.append(msg)
+    return out
+
+
+def test_the_dispatcher_waits_for_the_resident_worker_rather_than_evict() -> None:
+    """In-process: a's one slot on x is busy; y could load a only by evicting b (given a job
+    just now): the second job of a waits for x, and takes x's slot when the first ends."""
+    dispatcher = memory_dispatcher()
+    x = worker_connection("x", [_text(A, READY), _text(B, UNLOADED)], model_budget_bytes=6 * GB)
+    y = worker_connection("y", [_text(A, UNLOADED), _text(B, READY)], model_budget_bytes=6 * GB)
+    for worker in (x, y):
+        dispatcher.workers.on_registered(worker)
+    b_job = dispatcher.submit(Submission(B, CHAT, False, {"messages": []}))
+    assert b_job.worker_id == "y"
+    dispatcher.workers.on_message(y, JobResult(job_id=b_job.id, body="{}"))  # b idle now
+    first = dispatcher.submit(Submission(A, CHAT, False, {"messages": []}))
+    second = dispatcher.submit(Submission(A, CHAT, False, {"messages": []}))
+    assert first.worker_id == "x" and second.state is JobState.QUEUED
+    dispatcher.workers.on_message(x, JobResult(job_id=first.id, body="{}"))
+    assert second.worker_id == "x"
+    assert [s.job_id for s in _starts(x)] == [first.id, second.id]
+    assert [s.model for s in _starts(y)] == [B]

@@ -29,7 +29,9 @@ async def test_metrics_name_each_models_loads_evictions_load_time_and_bytes(
     several = worker_connection(
         "several",
         [
-            text("a", BackendState.READY, resident_bytes=3 * GB, load_seconds=4.5, loads=2),
+            text(
+                "a", BackendState.READY, slots=3, resident_bytes=3 * GB, load_seconds=4.5, loads=2
+            ),
             text("b", BackendState.UNLOADED, resident_bytes=2 * GB, loads=1, evictions=1),
         ],
         model_budget_bytes=4 * GB,
@@ -46,6 +48,9 @@ async def test_metrics_name_each_models_loads_evictions_load_time_and_bytes(
             await app.ctx.accounting.limiter.close()
             if app.ctx.store is not None:
                 app.ctx.store.close()
+    samples = [s for family in text_string_to_metric_families(body) for s in family.samples]
+    free = {s.labels["model"]: s.value for s in samples if s.name == "shoal_ready_slots"}
+    assert free == {"a": 3, "b": 1, "c": 1}  # a's own three slots; b and c the worker's one
     series = {
         (s.name, s.labels["model"], s.labels["worker"]): s.value
         for family in text_string_to_metric_families(body)

@@ -113,8 +113,8 @@ class Snapshot:
     workers: Mapping[str, int] = field(default_factory=dict)
     """Backend state (``BackendState`` value) -> connected workers in it."""
     ready_slots: Mapping[str, int] = field(default_factory=dict)
-    """Model -> free slots on ready workers serving it (a worker's slots count for each of its
-    models)."""
+    """Model -> free slots on ready workers serving it (a model's own slots where it has them,
+    else a worker's slots count for each of its models)."""
     shards: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     """Deployment -> shard state -> shards in it (distributed-inference deployments)."""
     key_queue_depth: Mapping[str, int] = field(default_factory=dict)

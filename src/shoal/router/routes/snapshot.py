@@ -20,8 +20,11 @@ def snapshot(registry: Registry, dispatcher: Dispatcher, deployments: Deployment
     workers = Counter(w.backend_state.value for w in registry)
     free: dict[str, int] = defaultdict(int)
     for w in registry:
+        load = w.load() if w.ready else None
         for m in w.models:
-            free[m.name] += max(w.slots - len(w.running), 0) if w.ready else 0
+            # a model's own slots where it has them (several text models), else the worker's
+            running, slots = load.occupancy(m.name) if load is not None else (0, 0)
+            free[m.name] += max(slots - running, 0)
     # Every model served anywhere has a series (0 when nothing waits); the depths are the
     # cluster's with Redis (see ``Dispatcher.queue_depths``).
     served = {m.name for w in registry for m in w.models}

@@ -5,6 +5,7 @@ the job without one."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -285,3 +286,20 @@ def test_the_dispatcher_waits_for_the_resident_worker_rather_than_evict() -> Non
     assert second.worker_id == "x"
     assert [s.job_id for s in _starts(x)] == [first.id, second.id]
     assert [s.model for s in _starts(y)] == [B]
+
+
+def test_a_model_a_job_is_loading_is_neither_evicted_nor_counted_free() -> None:
+    """A job placed where its model is not loaded loads it: until the worker reports that,
+    the router takes the model as loading there. A second job of it joins that load; a job
+    of another model does not evict it (it loads elsewhere, into free memory)."""
+    dispatcher = memory_dispatcher()
+    x = worker_connection("x", [_text(A, UNLOADED), _text(B, UNLOADED)], model_budget_bytes=6 * GB)
+    y = worker_connection("y", [_text(B, UNLOADED)], model_budget_bytes=6 * GB)
+    y.last_assigned = time.monotonic() + 3600  # else equal, y would lose the tie to x
+    for worker in (x, y):
+        dispatcher.workers.on_registered(worker)
+    a_job = dispatcher.submit(Submission(A, CHAT, True, {"messages": []}))
+    assert a_job.worker_id == "x"
+    assert [m.state for m in x.load().residency] == [LOADING, UNLOADED]
+    b_job = dispatcher.submit(Submission(B, CHAT, True, {"messages": []}))
+    assert b_job.worker_id == "y"

@@ -55,6 +55,7 @@ SYNC_PAUSE = 4.0
 ``SYNC_PAUSE`` x T later: however large the fleet (a sync is O(its workers)), syncing takes
 at most a fifth of the router's time while workers join (each join is a ``changed()``)."""
 _TAKES_JOBS = frozenset({BackendState.READY, BackendState.UNLOADED})
+_LOADED_BY_A_JOB = frozenset({BackendState.UNLOADED, BackendState.FAILED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,23 +110,22 @@ class RemoteWorker:
     def residency(self) -> tuple[ModelLoad, ...]:
         """Its models that report a state of their own, each with its running jobs as its
         entry says (``running_by_model``; an entry without them, a pull worker's, counts
-        every job of the worker against each: never ranked freer than it is). This router
-        gave none of them a job (``last_assigned`` 0)."""
+        every job of the worker against each: never ranked freer than it is); one not loaded
+        with a job of its own there is loading. This router gave none of them a job
+        (``last_assigned`` 0)."""
         by_model = self.summary.get("running_by_model")
         counts = by_model if isinstance(by_model, dict) else {}
         everything = int(self.summary.get("running_jobs", 0))
-        return tuple(
-            ModelLoad(
-                m.name,
-                m.state,
-                m.slots,
-                int(counts.get(m.name, everything if not counts else 0)),
-                m.resident_bytes,
-                m.pinned,
-            )
-            for m in self.models
-            if m.state is not None
-        )
+        out = []
+        for m in self.models:
+            if m.state is None:
+                continue
+            running = int(counts.get(m.name, everything if not counts else 0))
+            state = m.state
+            if running and counts and state in _LOADED_BY_A_JOB:
+                state = BackendState.LOADING  # its job loads it (``WorkerConnection.residency``)
+            out.append(ModelLoad(m.name, state, m.slots, running, m.resident_bytes, m.pinned))
+        return tuple(out)
 
     @property
     def model_budget_bytes(self) -> int | None:

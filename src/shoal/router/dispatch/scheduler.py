@@ -23,8 +23,9 @@ demand and evicted by measured bytes) reports each model's own state, slots and 
 bytes (``ModelInfo``), and the memory its models may hold together
 (``Register.model_budget_bytes``); those count per model (``ModelLoad``). A model that
 reports no state of its own is in its worker's state, with the worker's slots: the
-single-model case, ranked exactly as before. A job's candidates rank, best first
-(``Residency``):
+single-model case, ranked exactly as before. A model not loaded with a job placed on it is
+taken as loading (that job loads it; ``WorkerConnection.residency``) until the worker reports
+it. A job's candidates rank, best first (``Residency``):
 
 1. ``RESIDENT``: the model is loaded there with a slot of its own free (by prefix and load,
    as above; a single-model worker whose model is loaded);

@@ -55,6 +55,7 @@ ALLOWED = Transitions(
 
 
 _TAKES_JOBS = frozenset({BackendState.READY, BackendState.UNLOADED})
+_LOADED_BY_A_JOB = frozenset({BackendState.UNLOADED, BackendState.FAILED})
 
 
 @dataclass(eq=False)
@@ -266,20 +267,29 @@ class WorkerConnection:
         return sum(1 for job in self.running.values() if job.model == model)
 
     def residency(self) -> tuple[ModelLoad, ...]:
-        """Its models that report a state of their own, with their jobs here."""
-        return tuple(
-            ModelLoad(
-                m.name,
-                m.state,
-                m.slots,
-                self.running_of(m.name),
-                m.resident_bytes,
-                m.pinned,
-                self.assigned.get(m.name, 0.0),
+        """Its models that report a state of their own, with their jobs here. One that is not
+        loaded but has a job here is taken as loading (that job loads it) until the worker
+        says otherwise: no other job is placed to evict it, nor counts on its memory."""
+        out = []
+        for m in self.models:
+            if m.state is None:
+                continue
+            running = self.running_of(m.name)
+            state = m.state
+            if running and state in _LOADED_BY_A_JOB:
+                state = BackendState.LOADING
+            out.append(
+                ModelLoad(
+                    m.name,
+                    state,
+                    m.slots,
+                    running,
+                    m.resident_bytes,
+                    m.pinned,
+                    self.assigned.get(m.name, 0.0),
+                )
             )
-            for m in self.models
-            if m.state is not None
-        )
+        return tuple(out)
 
     def load(self) -> WorkerLoad:
         return WorkerLoad(

@@ -1,12 +1,14 @@
 """``JobLoading`` through a real router process and a stand-in worker speaking the real
 protocol: a streamed answer shows ``: loading model=…`` before its first token (the official
 ``openai`` client passes over it and parses the answer); a non-streamed one just waits; a
-failure after the comment still reaches the client, as its stream's error event. The
+failure after the comment still reaches the client, as its stream's error event. Each with
+one router, and with two on one Redis (the client calls the one without the worker). The
 worker's report of the load is scraped from ``/metrics`` (``shoal_model_*``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -24,18 +26,42 @@ A = ModelName("multi-a")
 GB = 1 << 30
 
 
-@pytest.fixture
-def router(tmp_path: Path) -> Iterator[Router]:
-    """A real router process (no llama-server needed: its worker is a stand-in)."""
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@dataclass
+class Routers:
+    front: Router
+    """The router the client calls."""
+    back: Router
+    """The router the stand-in worker is connected to (with Redis, another one)."""
+
+
+@pytest.fixture(params=["memory", "redis"])
+def routers(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Routers]:
+    """Real router processes (no llama-server needed: the worker is a stand-in): one
+    in-process; or two on one Redis, the client calling the one without the worker, so the
+    load's event travels through the job's Redis output stream."""
     cluster = Cluster(tmp_path, Path("unused-llama-server"), Path("unused-model"))
     try:
-        yield cluster.router()
+        if request.param == "memory":
+            router = cluster.router()
+            yield Routers(router, router)
+        else:
+            prefix = request.getfixturevalue("redis_prefix")
+            shared = ("--redis-url", REDIS_URL, "--redis-prefix", prefix)
+            yield Routers(cluster.router(*shared), cluster.router(*shared))
     finally:
         cluster.stop_all()
 
 
 @pytest.fixture
-def standin(router: Router) -> Iterator[StandInWorker]:
+def router(routers: Routers) -> Router:
+    return routers.front
+
+
+@pytest.fixture
+def standin(routers: Routers) -> Iterator[StandInWorker]:
     info = ModelInfo(
         name=A,
         endpoints=(Endpoint.CHAT,),
@@ -43,9 +69,11 @@ def standin(router: Router) -> Iterator[StandInWorker]:
         slots=2,
         resident_bytes=2 * GB,
     )
-    worker = StandInWorker(f"127.0.0.1:{router.port}", GPU_KEY, [info], budget=8 * GB)
+    back = routers.back
+    worker = StandInWorker(f"127.0.0.1:{back.port}", GPU_KEY, [info], budget=8 * GB)
     worker.start()
-    router.wait_workers(1)
+    back.wait_workers(1)
+    routers.front.wait_workers(1)  # with Redis: once the directory lists it there too
     try:
         yield worker
     finally:
@@ -82,7 +110,14 @@ def test_a_stream_shows_the_load_before_its_first_token(
     assert events[-1] == "data: [DONE]"
     # resident now: the next stream has no such comment
     assert ": loading" not in _raw_stream(router, "again")
-    # the worker's report of that load, scraped from /metrics
+
+
+def test_the_workers_router_exposes_its_models_figures(
+    routers: Routers, standin: StandInWorker
+) -> None:
+    """The worker's report of a load, scraped from /metrics of the router holding it."""
+    _raw_stream(routers.front, "hi")
+    router = routers.back
     metrics = httpx.get(router.url + "/metrics", headers=router.headers, timeout=10)
     assert metrics.status_code == 200, metrics.text
     series = {

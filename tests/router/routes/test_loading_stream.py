@@ -17,7 +17,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster import API_KEY, GPU_KEY, Cluster, Router
+from cluster import API_KEY, GPU_KEY, Cluster, Router, wait_until
 from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import BackendState, Endpoint, ModelInfo
 from standin_worker import StandInWorker
@@ -132,6 +132,18 @@ def test_the_workers_router_exposes_its_models_figures(
         "shoal_model_load_seconds": 0.5,
         "shoal_model_resident_bytes": 2 * GB,
     }
+    # /v1/models of the router the client calls says where it is resident (with Redis, from
+    # the worker directory)
+    front = routers.front
+
+    def placements() -> list[dict[str, object]] | None:
+        r = httpx.get(f"{front.url}/v1/models/{A}", headers=front.headers, timeout=10)
+        found: list[dict[str, object]] = r.json()["placements"]
+        return found if found and found[0]["residency"] == "resident" else None
+
+    [placed] = wait_until(placements, 10, "the load in /v1/models")
+    assert placed["worker"] == "standin" and placed["resident_bytes"] == 2 * GB
+    assert placed["loads"] == 1 and placed["load_seconds"] == 0.5
 
 
 def test_the_openai_client_passes_over_the_comment(

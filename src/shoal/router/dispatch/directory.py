@@ -109,7 +109,7 @@ class RemoteWorker:
 
     def residency(self) -> tuple[ModelLoad, ...]:
         """Its models that report a state of their own, each with its running jobs as its
-        entry says (``running_by_model``; an entry without them, a pull worker's, counts
+        entry says (``running_by_model``; an entry without them, an older worker's, counts
         every job of the worker against each: never ranked freer than it is); one not loaded
         with a job of its own there is loading. This router gave none of them a job
         (``last_assigned`` 0)."""

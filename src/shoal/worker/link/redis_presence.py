@@ -59,6 +59,7 @@ def summary(
     cached_blocks: tuple[int, ...] = (),
     gpu_telemetry: tuple[GpuSample, ...] = (),
     draining: bool = False,
+    running_by_model: dict[str, int] | None = None,
 ) -> Summary:
     """The entry's summary: the fields a router writes for its own workers, and ``consumer``,
     this worker's name in the queue's consumer group (what a job is held for)."""
@@ -84,6 +85,8 @@ def summary(
         "cached_blocks": list(cached_blocks),
         "consumer": consumer,
         "draining": draining,
+        "model_budget_bytes": reg.model_budget_bytes,
+        "running_by_model": running_by_model or {},
     }
 
 

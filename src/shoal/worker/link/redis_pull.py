@@ -42,6 +42,7 @@ import enum
 import logging
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -266,6 +267,7 @@ class RedisPuller:
             consumer=self.queue.consumer,
             cached_blocks=self.cached_blocks,
             draining=self.draining,
+            running_by_model=dict(Counter(h.claimed.job.model for h in self._held.values())),
         )
 
     # ------------------------------------------------------------ running

@@ -59,6 +59,7 @@ from shoal.protocol.messages import (
     Endpoint,
     JobDone,
     JobFailed,
+    JobLoading,
     JobResult,
     JobStart,
     ModelInfo,
@@ -382,6 +383,13 @@ class RedisPuller:
         self._send((held.claimed, events.Data(data)))
         if tokens is not None or held.answer.tokens:  # else nothing is known of its tokens
             self._send((held.claimed, trail_of(tokens, held.answer)))
+
+    def loading(self, message: JobLoading) -> None:
+        """The job waits while its model loads here: a streamed answer shows the client
+        ``: loading model=…`` (``events.Loading``, unnumbered: not output)."""
+        held = self._held.get(message.job_id)
+        if held is not None and held.claimed.job.stream:
+            self._send((held.claimed, events.Loading(message.model)))
 
     def send(self, message: JobOutcome, /) -> None:
         held = self._release(message.job_id)

@@ -2,10 +2,16 @@
 
     LOADING ──/health ok──▶ READY ──exit or hang──▶ RESTARTING ──backoff──▶ LOADING
        │  ▲                   │                        │
-       │  │                   └──idle_unload_s without jobs──▶ UNLOADED
+       │  │                   └──idle_unload_s without jobs, or unload()──▶ UNLOADED
        │  └──a job arrives (it waits for READY)──────────────────┘
        └──exit while loading───────────────────────────┘
     too many exits within CRASH_WINDOW_S ──▶ FAILED (stays; the reason names the last log lines)
+
+One started with ``start_unloaded`` begins UNLOADED: nothing runs until a job (or ``load``)
+wants it. ``unload`` stops a READY one on demand (a worker evicting it to make room for
+another model) and returns once its process is gone, its memory freed. Each load's lines
+up to ready (``load_log``: where llama-server reports its buffers) and its start->ready
+seconds (``load_seconds``) are kept.
 
 ``ALLOWED`` is that diagram as a table (``shoal.lifecycle``); any other move raises
 ``IllegalTransition``.
@@ -36,6 +42,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -183,11 +190,51 @@ class LlamaServer:
     _busy: asyncio.Event = field(default_factory=asyncio.Event)
     """Set while jobs hold llama-server (the stall watch probes then)."""
     _last_job_at: float = field(default_factory=time.monotonic)
+    start_unloaded: bool = False
+    """Begin UNLOADED: load only when a job (or ``load``) wants it."""
+    loads: int = 0
+    """Loads that reached READY."""
+    load_seconds: float | None = None
+    """The last load's seconds from start to READY (None: never loaded)."""
+    load_log: list[str] = field(default_factory=list)
+    """The lines the current (or last) process wrote up to ready."""
+    _unload_why: str | None = None
+    _unload_asked: asyncio.Event = field(default_factory=asyncio.Event)
+    _stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set while no process of ours runs."""
     _life: BackendLifecycle = field(init=False)
 
     def __post_init__(self) -> None:
         name = f"llama-server {self.config.alias}"
-        self._life = BackendLifecycle(name, ALLOWED, BackendState.LOADING, self.on_state, log)
+        first = BackendState.UNLOADED if self.start_unloaded else BackendState.LOADING
+        self._life = BackendLifecycle(name, ALLOWED, first, self.on_state, log)
+        self._stopped.set()
+
+    @property
+    def detail(self) -> str:
+        """Why it is in its state."""
+        return self._life.detail
+
+    @property
+    def changed(self) -> asyncio.Event:
+        """Set on its next move (``BackendLifecycle.changed``)."""
+        return self._life.changed
+
+    async def load(self) -> None:
+        """Ask for a load (when UNLOADED) and wait until READY; raises ``NotServing`` if it
+        fails for good meanwhile."""
+        await self._life.until_ready(NotServing)
+
+    async def unload(self, why: str) -> None:
+        """Stop a READY llama-server now (READY -> UNLOADED) and wait until its process is
+        gone; nothing when it is not READY. The caller makes sure no job holds it."""
+        if self.state is not BackendState.READY:
+            return
+        self._unload_why = why
+        self._unload_asked.set()
+        while self.state is BackendState.READY:
+            await self._life.changed.wait()
+        await self._stopped.wait()
 
     @property
     def state(self) -> BackendState:
@@ -226,6 +273,8 @@ class LlamaServer:
         """Keep llama-server running until cancelled or failed for good."""
         attempt = 0
         self.config.log_file.parent.mkdir(parents=True, exist_ok=True)
+        if self.state is BackendState.UNLOADED:
+            await self._life.load_when_wanted("a job arrived; loading")
         while True:
             started = time.monotonic()
             exit_ = await self._run_once()
@@ -261,6 +310,9 @@ class LlamaServer:
         if self.state is not BackendState.LOADING:
             self._life.move(BackendState.LOADING, "starting llama-server")
         log.info("starting %s", " ".join(argv))
+        self.load_log = []
+        self._unload_asked.clear()
+        self._stopped.clear()
         with self.config.log_file.open("ab") as logf:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
@@ -281,6 +333,7 @@ class LlamaServer:
             finally:
                 await stop_process(proc)
                 self.pid = None
+                self._stopped.set()
         assert isinstance(exited, Exited)
         return exited
 
@@ -289,6 +342,7 @@ class LlamaServer:
     ) -> None:
         """Wait until it loads, then watch it; raises ``Exited`` (or ``Hung``, from the stall
         watch, a task of ``tg``) when this run of it ends."""
+        started = time.monotonic()
         waiter = asyncio.ensure_future(proc.wait())
         marker = asyncio.ensure_future(ready.wait())
         try:
@@ -301,6 +355,8 @@ class LlamaServer:
                 raise Exited(proc.returncode, f"exited with code {proc.returncode} while loading")
             async with aiohttp.ClientSession() as session:
                 await self._wait_healthy(session, proc)
+                self.loads += 1
+                self.load_seconds = time.monotonic() - started
                 self._life.move(BackendState.READY, f"serving on {self.url} (pid {proc.pid})")
                 if self.config.stall_timeout_s > 0:
                     tg.create_task(self._watch_jobs(proc))
@@ -330,7 +386,7 @@ class LlamaServer:
         except (aiohttp.ClientError, TimeoutError):
             return False
 
-    async def _watch(self, session: aiohttp.ClientSession, waiter: asyncio.Future[int]) -> None:
+    async def _watch(self, session: aiohttp.ClientSession, waiter: asyncio.Future[Any]) -> None:
         """Liveness: the process is alive *and* /health answers. Also unloads when idle."""
         failures = 0
         self._last_job_at = time.monotonic()
@@ -342,11 +398,21 @@ class LlamaServer:
                 # Before stopping it, so no new job is let through to a dying process.
                 self._life.move(BackendState.UNLOADED, f"no jobs for {idle:g} s; memory freed")
                 raise Unloaded(None, "idle")
+            if self._unload_asked.is_set():
+                why = self._unload_why or "unloaded"
+                self._life.move(BackendState.UNLOADED, why)
+                raise Unloaded(None, why)
             wait = next_check - time.monotonic()
             if idle_left is not None:
                 wait = min(wait, idle_left)
-            done, _ = await asyncio.wait([waiter], timeout=max(wait, 0.0))
-            if done:
+            asked: asyncio.Future[Any] = asyncio.ensure_future(self._unload_asked.wait())
+            try:
+                done, _ = await asyncio.wait(
+                    {waiter, asked}, timeout=max(wait, 0.0), return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                asked.cancel()
+            if waiter in done:
                 raise Exited(waiter.result(), f"exited with code {waiter.result()}")
             if time.monotonic() < next_check:
                 continue
@@ -398,7 +464,10 @@ class LlamaServer:
         write = logf.write  # type: ignore[attr-defined]  # a binary file object
         while line := await proc.stdout.readline():
             write(line)
-            self.tail.append(line.decode(errors="replace").rstrip())
+            text = line.decode(errors="replace").rstrip()
+            self.tail.append(text)
+            if not ready.is_set():
+                self.load_log.append(text)
             if not ready.is_set() and any(m in line for m in READY_MARKERS):
                 # Whoever reads the log once it is ready (a split model's head reads where
                 # the layers went) must find every line up to here, not a buffer short.

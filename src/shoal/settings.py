@@ -207,10 +207,13 @@ def add_settings_flags(
                 help=help_text,
             )
         else:
+            extra = info.json_schema_extra
+            repeat = isinstance(extra, dict) and bool(extra.get("repeatable"))
             group.add_argument(
                 _flag(name),
                 dest=name,
                 default=argparse.SUPPRESS,
+                action="append" if repeat else "store",
                 metavar=name.upper(),
                 help=help_text,
             )
@@ -233,8 +236,8 @@ def _default_text(info: FieldInfo) -> str:
 
 def settings_from_args(settings_cls: type[S], args: argparse.Namespace) -> S:
     """Flags given on the command line win over env vars, which win over defaults."""
-    given = {
-        name: value
+    given: dict[str, Any] = {
+        name: ",".join(value) if isinstance(value, list) else value
         for name, value in vars(args).items()
         if name in settings_cls.model_fields and value is not None
     }

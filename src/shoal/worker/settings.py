@@ -130,7 +130,21 @@ class WorkerSettings(LlamaCppOptions):
         description="Model to serve: a catalog id (`shoal models list`), a Hugging Face GGUF "
         "repo (org/repo, org/repo:Q4_K_M or org/repo:FILE.gguf, hf.co/ optional), a path to a "
         ".gguf file, or a model-store id with --model-store. Default: the router's default "
-        "model (with --redis-url: Shoal's default model).",
+        "model (with --redis-url: Shoal's default model). Repeat it (or give several, "
+        "comma-separated) to serve several text models, loaded as memory allows.",
+        json_schema_extra={"repeatable": True},
+    )
+    models_file: Path | None = Field(
+        None,
+        description="TOML or YAML file of the text models to serve, with per-model options "
+        "(alias, ctx_size, slots, llama_server_args, pinned, preload, idle_unload, "
+        "quantization); see the README's 'Several models per worker'.",
+    )
+    memory_budget: float | None = Field(
+        None,
+        gt=0,
+        description="GiB: cap the memory resident text models may hold together (default: the "
+        "free RAM and VRAM at start); for operators and benchmarks.",
     )
     model_path: Path | None = Field(
         None,
@@ -371,6 +385,16 @@ class WorkerSettings(LlamaCppOptions):
     def serves_images(self) -> bool:
         """Image models are named (``--image-model`` or ``--image-backend-url``)."""
         return bool(self.image_model or self.image_backend_url)
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The text models named by ``--model`` (repeated or comma-separated)."""
+        return tuple(m.strip() for m in (self.model or "").split(",") if m.strip())
+
+    @property
+    def several_models(self) -> bool:
+        """Several text models, each its own llama-server (``text/residency/``)."""
+        return self.models_file is not None or len(self.models) > 1
 
     @property
     def router_urls(self) -> tuple[str, ...]:

@@ -79,8 +79,10 @@ def worker(args: argparse.Namespace) -> int:
     from shoal.worker.hardware import detect_profile
     from shoal.worker.link.drain import Drain
     from shoal.worker.main import run_worker
+    from shoal.worker.serving import TextPlan
     from shoal.worker.settings import WorkerSettings
     from shoal.worker.text.plan import WorkerConfigError, plan, plans_text
+    from shoal.worker.text.residency.planned import plan_models
     from shoal.worker.tls import Refusal
 
     settings = _settings(WorkerSettings, args)
@@ -89,7 +91,11 @@ def worker(args: argparse.Namespace) -> int:
     try:
         machine = detect_profile()
         # With no model given, the router's default is resolved once registered.
-        the_plan = plan(settings, path_env, machine) if plans_text(settings) else None
+        the_plan: TextPlan | None = None
+        if settings.several_models:
+            the_plan = plan_models(settings, path_env, machine)
+        elif plans_text(settings):
+            the_plan = plan(settings, path_env, machine)
     except (LlamaCppError, ModelError, WorkerConfigError) as exc:
         raise UserError(str(exc)) from None
     try:

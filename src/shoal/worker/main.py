@@ -29,7 +29,7 @@ from shoal.worker.link.drain import Drain, Drained, drain
 from shoal.worker.link.outbox import Outbox
 from shoal.worker.link.redis_pull import RedisPuller, redis_address, redis_client
 from shoal.worker.link.router_link import RouterLink, Routers
-from shoal.worker.serving import Serving, ShardFactory
+from shoal.worker.serving import Serving, ShardFactory, TextPlan
 from shoal.worker.settings import WorkerSettings
 from shoal.worker.shards.host import ShardHost
 from shoal.worker.shards.tools import ShardTools, split_models
@@ -60,7 +60,8 @@ def _registration(
             name=settings.name,
             hardware=hardware.to_wire(machine),
             models=serving.models,
-            slots=settings.slots if serving.plan or not serving.images else settings.image_slots,
+            slots=serving.text_slots
+            or (settings.image_slots if serving.images else settings.slots),
             state=serving.state,
             backend_url=serving.backend_url,
             software=f"shoal {__version__}",
@@ -69,6 +70,7 @@ def _registration(
             no_shards=serving.no_shards,
             shard_ram_bytes=int(settings.shard_ram * 2**30) if settings.shard_ram else None,
             gpus_unused=serving.plan.gpus_unused if serving.plan else serving.early_gpus_unused,
+            model_budget_bytes=serving.model_budget.total if serving.model_budget else None,
         )
 
     return register
@@ -87,7 +89,7 @@ def _routers(settings: WorkerSettings) -> Routers:
 
 async def run_worker(
     settings: WorkerSettings,
-    the_plan: Plan | None,
+    the_plan: TextPlan | None,
     on_ready: Callable[[], None] | None = None,
     *,
     path_env: str | None = None,
@@ -98,7 +100,8 @@ async def run_worker(
     Raises ``link.Refusal`` when the router will never accept us.
 
     With ``the_plan`` None the model is the router's default, resolved after registering
-    (in pull mode, Shoal's default model, resolved first).
+    (in pull mode, Shoal's default model, resolved first). A tuple of planned models: several
+    text models (``text/residency/``; not in pull mode).
     """
     stop = stop or Drain()
     worker_id = new_worker_id(settings.name)
@@ -107,6 +110,7 @@ async def run_worker(
     if settings.redis_url is not None:
         if the_plan is None:
             the_plan = await asyncio.to_thread(plan, settings, path_env, machine)
+        assert isinstance(the_plan, Plan)  # several text models are refused in pull mode
         serving = Serving(settings, machine, path_env, on_ready, shards=PULL_NO_SHARDS)
         memory = hardware.MemoryProbe(machine, settings.gpu_devices)
         await _pull(
@@ -143,6 +147,7 @@ async def run_worker(
             gpus_unused=None
             if the_plan or not text
             else await asyncio.to_thread(gpus_unused_before_plan, settings, path_env, machine),
+            loading=outbox.send,
         )
         if serving.images is not None:
             runner.serve(IMAGE_ENDPOINTS, serving.images.run_job)
@@ -162,7 +167,7 @@ async def run_worker(
             await runner.until_idle()
             await outbox.until_answered()
 
-        serves = the_plan.model.name if the_plan else "the router's default model"
+        serves = _serves(the_plan)
         log.info(
             "worker %s (%s) serving %s, dialing %s",
             worker_id,
@@ -181,9 +186,17 @@ async def run_worker(
             pass
 
 
+def _serves(the_plan: TextPlan | None) -> str:
+    if the_plan is None:
+        return "the router's default model"
+    if isinstance(the_plan, tuple):
+        return ", ".join(p.plan.model.name for p in the_plan)
+    return the_plan.model.name
+
+
 async def _serve(
     serving: Serving,
-    the_plan: Plan | None,
+    the_plan: TextPlan | None,
     text: bool,
     link: RouterLink,
     tg: asyncio.TaskGroup,

@@ -1,14 +1,17 @@
 """What the worker serves, and every link told of its changes: its text model (none until a
-deferred one is resolved), its image models and its parts in split models.
+deferred one is resolved), or its several text models (``text/residency/``), its image
+models and its parts in split models.
 
 ``Serving`` starts the text backend once its plan is known (at start, or from the router's
-``registered`` reply: ``adopt_default``) and gives the job runner its ``Backend``; it answers
-the router's model controls and passes its orders about split models on.
+``registered`` reply: ``adopt_default``) and gives the job runner its ``Backend``; with
+several text models, it starts their ``TextModels`` and routes each model's jobs to it. It
+answers the router's model controls and passes its orders about split models on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -17,7 +20,14 @@ import aiohttp
 
 from shoal.hardware.profile import MachineProfile
 from shoal.models.default import DEFAULT_MODEL
-from shoal.protocol.messages import BackendState, Message, ModelControl, ModelInfo
+from shoal.models.residency import Footprint
+from shoal.protocol.messages import (
+    BackendState,
+    JobLoading,
+    Message,
+    ModelControl,
+    ModelInfo,
+)
 from shoal.worker.images.plan import ImagePlan, start_images
 from shoal.worker.jobs.runner import JobRunner
 from shoal.worker.link.router_link import NoShards, RouterLink, ShardOrders
@@ -29,7 +39,13 @@ from shoal.worker.text.backend import Backend, BackendTarget, discover_model
 from shoal.worker.text.llama_server import LlamaServer
 from shoal.worker.text.pinning import SlotPinning
 from shoal.worker.text.plan import Plan, plan
+from shoal.worker.text.residency.models import TextModels
+from shoal.worker.text.residency.planned import PlannedModel
+from shoal.worker.text.residency.shim import model_budget
 from shoal.worker.text.slots import SlotTable
+
+TextPlan = Plan | tuple[PlannedModel, ...]
+"""One text model's plan, or several models' (``text/residency/planned.py``)."""
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +80,18 @@ class Serving:
         image_plans: Sequence[ImagePlan] = (),
         images_give_state: bool = False,
         gpus_unused: str | None = None,
+        loading: Callable[[JobLoading], None] | None = None,
     ) -> None:
         """``shards``: how to build the shard host, or why this worker cannot run parts of
         split models. ``images_give_state``: the image models' state is the worker's (it
-        serves no text). ``gpus_unused``: why the GPUs would sit idle, known before a plan."""
+        serves no text). ``gpus_unused``: why the GPUs would sit idle, known before a plan.
+        ``loading``: where a job that waits for its text model to load is told of (the
+        router link)."""
+        self.loading = loading
+        self.text_models: TextModels | None = None
+        """Several text models (None: one, or none)."""
+        self.model_budget: Footprint | None = None
+        """The memory the several text models may hold together."""
         self.early_gpus_unused = gpus_unused
         self.settings = settings
         self.machine = machine
@@ -97,6 +121,8 @@ class Serving:
 
     @property
     def state(self) -> BackendState:
+        if self.text_models is not None:
+            return self.text_models.state
         if self.supervisor is None and self.images is not None:
             return self.images.state  # a worker with only image models
         return self.supervisor.state if self.supervisor else BackendState.LOADING
@@ -107,8 +133,17 @@ class Serving:
         return (self.supervisor.url or None) if self.supervisor else None
 
     @property
+    def text_slots(self) -> int | None:
+        """Text jobs served at once: every text model's slots (None: not planned yet)."""
+        if self.text_models is not None:
+            return self.text_models.slots
+        return self.settings.slots if self.plan else None
+
+    @property
     def models(self) -> tuple[ModelInfo, ...]:
-        text = (self.plan.model,) if self.plan else ()
+        text: tuple[ModelInfo, ...] = (self.plan.model,) if self.plan else ()
+        if self.text_models is not None:
+            text = self.text_models.infos()
         split = self.shards.models if self.shards else ()
         return text + split + (self.images.infos() if self.images else ())
 
@@ -131,8 +166,11 @@ class Serving:
             link.on_cache(blocks)
 
     def control_model(self, msg: ModelControl) -> bool:
-        """Load or unload an image model as the router asks; False if none is served here
-        (image models load and unload apart: the router lists each one's state)."""
+        """Load or unload an image model, or one of several text models, as the router asks;
+        False if none is served here (these load and unload apart: the router lists each
+        one's state)."""
+        if self.text_models is not None and self.text_models.control(msg.model, msg.action):
+            return True
         return self.images is not None and self.images.control(msg.model, msg.action)
 
     def shard_orders(self, send: Callable[[Message], None]) -> ShardOrders:
@@ -143,12 +181,15 @@ class Serving:
 
     async def start(
         self,
-        the_plan: Plan,
+        the_plan: TextPlan,
         tg: asyncio.TaskGroup,
         runner: JobRunner,
         session: aiohttp.ClientSession,
     ) -> None:
         """``session`` carries the jobs (``loopback``)."""
+        if isinstance(the_plan, tuple):
+            self.start_several(the_plan, tg, runner, session)
+            return
         supervisor: LlamaServer | AttachedServer
         pinning: SlotPinning | None = None
         if the_plan.llama is not None:
@@ -165,6 +206,38 @@ class Serving:
         target = await backend_target(self.settings, the_plan, supervisor, session)
         backend = Backend(target, session, lambda: supervisor.url, pinning)
         tg.create_task(runner.run(backend.run, supervisor.use))
+
+    def start_several(
+        self,
+        planned: tuple[PlannedModel, ...],
+        tg: asyncio.TaskGroup,
+        runner: JobRunner,
+        session: aiohttp.ClientSession,
+    ) -> None:
+        """Several text models: each model's jobs go to it through ``TextModels``."""
+        self.model_budget = model_budget(self.machine, self.settings)
+        models = self.text_models = TextModels(
+            planned,
+            self.machine,
+            session,
+            self.model_budget,
+            on_models=self.models_changed,
+            on_state=self.on_state,
+            on_cache=self.cache_changed,
+            loading=self.loading,
+        )
+        self.plan = planned[0].plan
+        log.info(
+            "serving %d text models (%s) in a budget of %s",
+            len(planned),
+            ", ".join(models.hosts),
+            self.model_budget.describe(),
+        )
+        self.models_changed()
+        tg.create_task(models.run())
+        for name in models.hosts:
+            runner.route(name, models.job_function(name), contextlib.nullcontext)
+        tg.create_task(runner.run(models.job_function(planned[0].plan.model.name)))
 
     async def adopt_default(
         self,

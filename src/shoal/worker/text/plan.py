@@ -72,7 +72,13 @@ class WorkerConfigError(Exception):
 
 
 def _names_text_model(settings: WorkerSettings) -> bool:
-    return bool(settings.model or settings.model_path or settings.backend_url or settings.redis_url)
+    return bool(
+        settings.model
+        or settings.model_path
+        or settings.models_file
+        or settings.backend_url
+        or settings.redis_url
+    )
 
 
 def needs_router_default(settings: WorkerSettings) -> bool:

@@ -9,4 +9,11 @@ loads it, first evicting the least recently used ones it does not fit beside
 - ``measured.py``: what a model holds once loaded, as llama-server reported it;
 - ``kv_saves.py``: a model's slots' KV caches saved before it is evicted and put back when
   it loads again (``SlotSaves``).
+- ``planned.py``: one ``Plan`` per model (``--models-file``, or ``--model`` given several
+  times), and whether each is pinned and preloaded;
+- ``hosted.py``: ``HostedModel``, one model's own llama-server, slots, pinning and backend,
+  with its footprint (measured on its last load, else the estimate) and its stats;
+- ``models.py``: ``TextModels``, which loads a model for its jobs (one load shared), evicts
+  what ``admit`` names, and refuses a model that cannot fit; ``CacheKeeper``, the hook told
+  before an eviction and after a load; ``worker_state`` (pure).
 """

@@ -1,0 +1,84 @@
+"""The text models a worker serving several will run: one ``Plan`` per model spec, decided
+before anything starts (each model resolved, its own alias, context, slots, llama-server
+arguments, idle unload and log file), plus whether it is pinned and preloaded.
+
+The specs come from ``--models-file``, else from ``--model`` given several times (or
+comma-separated): each of those is preloaded (in the order given, as memory allows) and none
+is pinned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.hardware.profile import MachineProfile
+from shoal.worker.settings import WorkerSettings
+from shoal.worker.text.plan import Plan, WorkerConfigError, plan
+from shoal.worker.text.residency.shim import ModelSpec, load_models_file
+
+
+@dataclass(frozen=True)
+class PlannedModel:
+    """One text model of several: its plan, and how the worker keeps it."""
+
+    plan: Plan
+    pinned: bool = False
+    """Never evicted."""
+    preload: bool = False
+    """Loaded at start (in the given order; one that does not fit is logged)."""
+
+
+def model_specs(settings: WorkerSettings) -> tuple[ModelSpec, ...]:
+    """What ``--models-file`` lists, else one spec per ``--model``."""
+    if settings.models_file is not None:
+        if settings.model:
+            raise WorkerConfigError(
+                "give the text models either with --model or in --models-file, not both"
+            )
+        return load_models_file(settings.models_file)
+    return tuple(ModelSpec(model=m, preload=True) for m in settings.models)
+
+
+def _refuse_conflicts(settings: WorkerSettings) -> None:
+    for given, flag in (
+        (settings.backend_url, "--backend-url"),
+        (settings.redis_url, "--redis-url"),
+        (settings.model_path, "--model-path"),
+        (settings.model_alias, "--model-alias"),
+    ):
+        if given is not None:
+            raise WorkerConfigError(
+                f"{flag} serves one text model; several (--models-file, or --model given "
+                "more than once) each name theirs: drop " + flag
+            )
+
+
+def spec_settings(settings: WorkerSettings, spec: ModelSpec) -> WorkerSettings:
+    """``settings`` as a worker of ``spec``'s model alone would have them."""
+    update: dict[str, object] = {"model": spec.model, "model_alias": spec.alias}
+    for field in ("ctx_size", "slots", "llama_server_args", "idle_unload", "quantization"):
+        value = getattr(spec, field)
+        if value is not None:
+            update[field] = value
+    return settings.model_copy(update=update)
+
+
+def plan_models(
+    settings: WorkerSettings, path_env: str | None, machine: MachineProfile
+) -> tuple[PlannedModel, ...]:
+    """One plan per text model (downloading what is missing). Blocking."""
+    _refuse_conflicts(settings)
+    specs = model_specs(settings)
+    if not specs:
+        raise WorkerConfigError(f"{settings.models_file} names no model")
+    planned = tuple(
+        PlannedModel(plan(spec_settings(settings, s), path_env, machine), s.pinned, s.preload)
+        for s in specs
+    )
+    names = [p.plan.model.name for p in planned]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise WorkerConfigError(
+            f"text model name(s) {', '.join(twice)} given twice: give each copy its own alias"
+        )
+    return planned

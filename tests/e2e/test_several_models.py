@@ -1,0 +1,93 @@
+"""Several text models on one worker: a real router, a real ``shoal worker`` given a models
+file (the default model twice, under two aliases; the first pinned and preloaded) and a
+``--memory-budget`` that holds one of them, and the official ``openai`` client.
+
+Both models answer; the router lists each with its own state; the second one's first request
+loads it (the first, pinned, is never evicted, so the second loads beside it only if it fits:
+here it does not, and it is refused with the numbers); with nothing pinned, each request for
+the other model evicts the loaded one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from cluster import API_KEY, Cluster, Router, wait_until
+
+pytestmark = pytest.mark.e2e
+
+HELLO: Any = [{"role": "user", "content": "Say hello in one word."}]
+
+
+def _models_file(tmp_path: Path, model_path: Path, pinned: bool) -> Path:
+    file = tmp_path / "models.toml"
+    file.write_text(
+        f'[[model]]\nmodel = "{model_path}"\nalias = "smol-a"\nctx_size = 512\nslots = 1\n'
+        f"preload = true\npinned = {'true' if pinned else 'false'}\n\n"
+        f'[[model]]\nmodel = "{model_path}"\nalias = "smol-b"\nctx_size = 512\nslots = 2\n'
+    )
+    return file
+
+
+def _worker(cluster: Cluster, router: Router, tmp_path: Path, pinned: bool) -> None:
+    size_gib = cluster.model_path.stat().st_size / 2**30
+    cluster.worker(
+        router,
+        "--llama-server-path",
+        str(cluster.llama_server),
+        "--models-file",
+        str(_models_file(tmp_path, cluster.model_path, pinned)),
+        "--memory-budget",
+        f"{size_gib * 1.5:.4f}",
+        model=False,
+    )
+
+
+def _models(router: Router) -> dict[str, dict[str, Any]]:
+    [worker] = router.workers()
+    return {m["name"]: m for m in worker["models"]}
+
+
+def test_both_models_answer_and_each_evicts_the_other(cluster: Cluster, tmp_path: Path) -> None:
+    router = cluster.router()
+    _worker(cluster, router, tmp_path, pinned=False)
+    router.wait_workers(1)
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key=API_KEY, max_retries=0)
+    listed = {m.id for m in client.models.list()}
+    assert {"smol-a", "smol-b"} <= listed
+    [worker] = router.workers()
+    assert worker["slots"] == 3
+    for n, model in enumerate(["smol-b", "smol-a", "smol-b"]):
+        r = client.chat.completions.create(model=model, messages=HELLO, max_tokens=4)
+        assert r.model == model and r.choices[0].message.content, n
+    models = wait_until(
+        lambda: (m := _models(router))["smol-a"]["state"] == "unloaded" and m,
+        10,
+        "smol-a evicted",
+    )
+    assert models["smol-b"]["state"] == "ready"
+    assert models["smol-a"]["loads"] == 2 and models["smol-a"]["evictions"] == 2
+    assert models["smol-b"]["loads"] == 2 and models["smol-b"]["evictions"] == 1
+    assert models["smol-b"]["resident_bytes"] > 0 and models["smol-b"]["load_seconds"] > 0
+    client.close()
+
+
+def test_a_model_that_cannot_fit_beside_a_pinned_one_is_refused_with_numbers(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    router = cluster.router()
+    _worker(cluster, router, tmp_path, pinned=True)
+    router.wait_workers(1)
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key=API_KEY, max_retries=0)
+    r = client.chat.completions.create(model="smol-a", messages=HELLO, max_tokens=4)
+    assert r.choices[0].message.content
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(model="smol-b", messages=HELLO, max_tokens=4)
+    assert caught.value.status_code == 503
+    assert "pinned" in str(caught.value) and "smol-b needs" in str(caught.value)
+    assert _models(router)["smol-a"]["pinned"] is True
+    client.close()

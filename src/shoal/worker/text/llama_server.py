@@ -278,6 +278,11 @@ class LlamaServer:
         while True:
             started = time.monotonic()
             exit_ = await self._run_once()
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # Python 3.11's TaskGroup swallows a cancellation that comes while it cancels
+                # its tasks after an error (the process ended, or was unloaded): carry it on.
+                raise asyncio.CancelledError
             if isinstance(exit_, Unloaded):
                 await self._life.load_when_wanted("a job arrived; loading again")
                 continue

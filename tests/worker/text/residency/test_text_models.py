@@ -35,7 +35,7 @@ from shoal.worker.text.llama_server import LlamaServerConfig
 from shoal.worker.text.plan import Plan
 from shoal.worker.text.residency.hosted import HostedModel
 from shoal.worker.text.residency.models import ModelDoesNotFit, TextModels
-from shoal.worker.text.residency.planned import PlannedModel
+from shoal.worker.text.residency.planned import PlannedModel, measured
 
 MACHINE = MachineProfile(
     hostname="test",
@@ -88,7 +88,7 @@ def _planned(llama_server: Path, model_path: Path, logs: Path, alias: str) -> Pl
     info = ModelInfo(
         name=ModelName(alias), endpoints=(Endpoint.CHAT, Endpoint.COMPLETIONS), context_length=512
     )
-    return PlannedModel(Plan(info, config))
+    return PlannedModel(measured(Plan(info, config)))
 
 
 def _job(n: int, model: str) -> JobStart:

@@ -283,10 +283,14 @@ class TextModels:
                 await self._ensure(host)
             except (ModelDoesNotFit, NotServing) as exc:
                 log.warning("model %s: not loaded as asked: %s", model, exc)
-        elif host.state is not BackendState.READY:
-            log.info("model %s: not loaded; nothing to unload", model)
-        elif host.holders or host.load is not None:
-            log.info("model %s: not unloaded as asked: jobs hold it", model)
-        else:
-            async with self._lock:
+            return
+        if host.load is not None:  # unload what the load in flight brings
+            with contextlib.suppress(ModelDoesNotFit, NotServing):
+                await asyncio.shield(host.load)
+        async with self._lock:
+            if host.state is not BackendState.READY:
+                log.info("model %s: not loaded; nothing to unload", model)
+            elif host.holders or host.load is not None:
+                log.info("model %s: not unloaded as asked: jobs hold it", model)
+            else:
                 await self._evict(host, "unloaded as the router asked")

@@ -9,7 +9,7 @@ is pinned.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shoal.hardware.profile import MachineProfile
 from shoal.worker.settings import WorkerSettings
@@ -63,6 +63,19 @@ def spec_settings(settings: WorkerSettings, spec: ModelSpec) -> WorkerSettings:
     return settings.model_copy(update=update)
 
 
+MEASURE_ARGS = ("-lv", "4")
+"""llama-server logs its buffers' sizes (what a model holds) only at this verbosity."""
+
+
+def measured(the_plan: Plan) -> Plan:
+    """``the_plan`` with llama-server logging its buffers (unless its arguments set a
+    verbosity)."""
+    llama = the_plan.llama
+    if llama is None or {"-lv", "--log-verbosity", "--verbosity"} & set(llama.extra_args):
+        return the_plan
+    return replace(the_plan, llama=replace(llama, extra_args=(*llama.extra_args, *MEASURE_ARGS)))
+
+
 def plan_models(
     settings: WorkerSettings, path_env: str | None, machine: MachineProfile
 ) -> tuple[PlannedModel, ...]:
@@ -72,7 +85,9 @@ def plan_models(
     if not specs:
         raise WorkerConfigError(f"{settings.models_file} names no model")
     planned = tuple(
-        PlannedModel(plan(spec_settings(settings, s), path_env, machine), s.pinned, s.preload)
+        PlannedModel(
+            measured(plan(spec_settings(settings, s), path_env, machine)), s.pinned, s.preload
+        )
         for s in specs
     )
     names = [p.plan.model.name for p in planned]

@@ -40,8 +40,7 @@ from shoal.worker.text.llama_server import LlamaServer
 from shoal.worker.text.pinning import SlotPinning
 from shoal.worker.text.plan import Plan, plan
 from shoal.worker.text.residency.models import TextModels
-from shoal.worker.text.residency.planned import PlannedModel
-from shoal.worker.text.residency.shim import model_budget
+from shoal.worker.text.residency.planned import PlannedModel, budget_of
 from shoal.worker.text.slots import SlotTable
 
 TextPlan = Plan | tuple[PlannedModel, ...]
@@ -215,10 +214,9 @@ class Serving:
         session: aiohttp.ClientSession,
     ) -> None:
         """Several text models: each model's jobs go to it through ``TextModels``."""
-        self.model_budget = model_budget(self.machine, self.settings)
+        self.model_budget = budget_of(self.settings, self.machine)
         models = self.text_models = TextModels(
             planned,
-            self.machine,
             session,
             self.model_budget,
             on_models=self.models_changed,

@@ -13,12 +13,13 @@ from shoal.settings import settings_from_args
 from shoal.worker.settings import WorkerSettings
 from shoal.worker.text.plan import WorkerConfigError, plans_text
 from shoal.worker.text.residency.models import worker_state
+from shoal.worker.text.residency.models_file import ModelSpec
 from shoal.worker.text.residency.planned import (
     _refuse_conflicts,
     model_specs,
+    preloaded,
     spec_settings,
 )
-from shoal.worker.text.residency.shim import ModelSpec
 
 R, U, L, S, F = (
     BackendState.READY,
@@ -59,7 +60,19 @@ def test_model_repeats_on_the_command_line() -> None:
     assert settings.models == ("a/b", "c.gguf")
     assert settings.several_models
     assert [s.model for s in model_specs(settings)] == ["a/b", "c.gguf"]
-    assert all(s.preload and not s.pinned for s in model_specs(settings))
+    specs = model_specs(settings)
+    assert [preloaded(s, i) for i, s in enumerate(specs)] == [True, False]
+    assert not any(s.pinned for s in specs)
+
+
+def test_a_model_named_twice_is_refused() -> None:
+    with pytest.raises(WorkerConfigError, match="both named 'a'"):
+        model_specs(WorkerSettings(model="a,b,a"))
+
+
+def test_a_spec_that_says_whether_it_preloads_is_followed() -> None:
+    assert not preloaded(ModelSpec(model="x", preload=False), 0)
+    assert preloaded(ModelSpec(model="x", preload=True), 3)
 
 
 def test_one_model_is_as_before() -> None:
@@ -76,12 +89,15 @@ def test_shoal_model_takes_several_comma_separated(monkeypatch: pytest.MonkeyPat
 
 def test_a_models_file_alone_names_the_text_models(tmp_path: Path) -> None:
     file = tmp_path / "models.toml"
-    file.write_text('[[model]]\nmodel = "x"\nalias = "one"\npinned = true\n')
+    file.write_text('[[models]]\nmodel = "x"\nalias = "one"\npinned = true\n')
     settings = WorkerSettings(models_file=file)
     assert plans_text(settings) and settings.several_models
     assert model_specs(settings) == (ModelSpec(model="x", alias="one", pinned=True),)
     with pytest.raises(WorkerConfigError, match="not both"):
         model_specs(WorkerSettings(models_file=file, model="y"))
+    file.write_text('[[models]]\nmodel = "x"\nsize = 3\n')
+    with pytest.raises(WorkerConfigError, match="unknown key"):  # the file's own error
+        model_specs(WorkerSettings(models_file=file))
 
 
 def test_each_model_gets_its_own_options_else_the_workers() -> None:

@@ -17,7 +17,6 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from shoal.hardware.profile import CpuInfo, MachineProfile
 from shoal.models.residency import Footprint
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import (
@@ -33,17 +32,11 @@ from shoal.protocol.messages import (
 from shoal.worker.jobs.sink import JobOutcome
 from shoal.worker.text.llama_server import LlamaServerConfig
 from shoal.worker.text.plan import Plan
+from shoal.worker.text.residency.budget import estimate_file
 from shoal.worker.text.residency.hosted import HostedModel
 from shoal.worker.text.residency.models import ModelDoesNotFit, TextModels
 from shoal.worker.text.residency.planned import PlannedModel, measured
 
-MACHINE = MachineProfile(
-    hostname="test",
-    os="linux",
-    cpu=CpuInfo(model="cpu", logical_cores=2),
-    ram_total_bytes=2**34,
-    ram_available_bytes=2**34,
-)
 LOAD_S = 120
 
 
@@ -74,7 +67,9 @@ class Keeper:
         self.events.append(("after_load", host.name, host.state))
 
 
-def _planned(llama_server: Path, model_path: Path, logs: Path, alias: str) -> PlannedModel:
+def _planned(
+    llama_server: Path, model_path: Path, logs: Path, alias: str, budget: Footprint
+) -> PlannedModel:
     config = LlamaServerConfig(
         binary=llama_server,
         model_path=model_path,
@@ -88,7 +83,8 @@ def _planned(llama_server: Path, model_path: Path, logs: Path, alias: str) -> Pl
     info = ModelInfo(
         name=ModelName(alias), endpoints=(Endpoint.CHAT, Endpoint.COMPLETIONS), context_length=512
     )
-    return PlannedModel(measured(Plan(info, config)))
+    need = estimate_file(model_path, config.ctx_size * config.slots, budget)
+    return PlannedModel(measured(Plan(info, config)), need)
 
 
 def _job(n: int, model: str) -> JobStart:
@@ -114,15 +110,15 @@ class Rig:
 
 @pytest.fixture
 async def rig(llama_server: Path, model_path: Path, tmp_path: Path) -> AsyncIterator[Rig]:
-    """Models "a" and "b" (the default model twice), a budget of 1.5 times its file: one fits,
-    two do not."""
-    budget = Footprint(ram=int(model_path.stat().st_size * 1.5))
+    """Models "a" and "b" (the default model twice), a budget of 1.15 times its first-load
+    estimate: one fits; two do not, estimated or measured (the default model measures about
+    0.7 of its estimate)."""
+    budget = Footprint(ram=int(estimate_file(model_path, 1024, Footprint(ram=2**40)).ram * 1.15))
     loading: list[JobLoading] = []
     states: list[BackendState] = []
     async with aiohttp.ClientSession() as session:
         models = TextModels(
-            [_planned(llama_server, model_path, tmp_path, a) for a in ("a", "b")],
-            MACHINE,
+            [_planned(llama_server, model_path, tmp_path, a, budget) for a in ("a", "b")],
             session,
             budget,
             on_models=lambda: None,
@@ -154,7 +150,8 @@ async def test_a_job_for_b_evicts_a_and_as_next_job_loads_it_again(rig: Rig) -> 
     first = await _run(rig, 1, "a")
     assert [type(o) for o in first.outcomes] == [JobResult]
     assert (a.state, a.server.loads, a.evictions) == (BackendState.READY, 1, 0)
-    assert a.measured is not None and a.measured.total > a.estimate.total // 2
+    assert a.measured is not None and a.measured != a.estimate
+    assert a.footprint == a.measured  # what llama-server reported replaced the estimate
     assert a.server.load_seconds is not None and a.server.load_seconds > 0
 
     await _run(rig, 2, "b")

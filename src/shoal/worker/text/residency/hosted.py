@@ -14,15 +14,14 @@ from collections.abc import Callable
 
 import aiohttp
 
-from shoal.hardware.profile import MachineProfile
 from shoal.models.residency import Footprint, Resident
 from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import BackendState, ModelInfo
 from shoal.worker.text.backend import Backend, BackendTarget
 from shoal.worker.text.llama_server import LlamaServer, LlamaServerConfig
 from shoal.worker.text.pinning import SlotPinning
-from shoal.worker.text.plan import Plan
-from shoal.worker.text.residency.shim import estimate, footprint_from_log
+from shoal.worker.text.residency.measured import footprint_from_log
+from shoal.worker.text.residency.planned import PlannedModel
 from shoal.worker.text.slots import SlotTable
 
 HOLDS = frozenset({BackendState.READY, BackendState.LOADING, BackendState.RESTARTING})
@@ -35,21 +34,19 @@ class HostedModel:
 
     def __init__(
         self,
-        plan: Plan,
-        machine: MachineProfile,
+        planned: PlannedModel,
         session: aiohttp.ClientSession,
         *,
-        pinned: bool,
-        preload: bool,
         on_state: Callable[[HostedModel, BackendState, str], None],
         on_cache: Callable[[], None],
     ) -> None:
+        plan = planned.plan
         assert plan.llama is not None  # several models: each a llama-server of ours
         self.plan = plan
         self.config: LlamaServerConfig = plan.llama
         self.name: ModelName = plan.model.name
-        self.pinned = pinned
-        self.preload = preload
+        self.pinned = planned.pinned
+        self.preload = planned.preload
         self.server = LlamaServer(
             self.config, lambda state, detail: on_state(self, state, detail), start_unloaded=True
         )
@@ -60,7 +57,7 @@ class HostedModel:
             self.name, stream_upstream=True, token_ids=True, spare_path="/health"
         )
         self.backend = Backend(target, session, lambda: self.server.url, self.pinning)
-        self.estimate = estimate(self.config, machine)
+        self.estimate = planned.estimate
         """The fit estimate, until a load measures it."""
         self.measured: Footprint | None = None
         """What llama-server reported on its last load (weights + KV + compute)."""

@@ -31,7 +31,6 @@ from typing import Protocol
 
 import aiohttp
 
-from shoal.hardware.profile import MachineProfile
 from shoal.models.residency import Admit, Footprint, Refuse, Resident, Wait, admit
 from shoal.protocol.ids import JobId, ModelName
 from shoal.protocol.messages import (
@@ -87,7 +86,6 @@ class TextModels:
     def __init__(
         self,
         planned: Sequence[PlannedModel],
-        machine: MachineProfile,
         session: aiohttp.ClientSession,
         budget: Footprint,
         *,
@@ -107,11 +105,8 @@ class TextModels:
         self.hosts: dict[str, HostedModel] = {}
         for p in planned:
             host = HostedModel(
-                p.plan,
-                machine,
+                p,
                 session,
-                pinned=p.pinned,
-                preload=p.preload,
                 on_state=self._moved,
                 on_cache=self._cache,
             )

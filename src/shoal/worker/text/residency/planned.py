@@ -1,20 +1,29 @@
 """The text models a worker serving several will run: one ``Plan`` per model spec, decided
 before anything starts (each model resolved, its own alias, context, slots, llama-server
-arguments, idle unload and log file), plus whether it is pinned and preloaded.
+arguments, idle unload and log file), whether it is pinned and preloaded, and its first-load
+estimate against the worker's budget.
 
 The specs come from ``--models-file``, else from ``--model`` given several times (or
-comma-separated): each of those is preloaded (in the order given, as memory allows) and none
-is pinned.
+comma-separated): none of those is pinned. A spec that does not say whether it is preloaded
+is when it is the first one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from shoal.hardware.detect import parse_gpu_devices
 from shoal.hardware.profile import MachineProfile
+from shoal.models.residency import Footprint
 from shoal.worker.settings import WorkerSettings
 from shoal.worker.text.plan import Plan, WorkerConfigError, plan
-from shoal.worker.text.residency.shim import ModelSpec, load_models_file
+from shoal.worker.text.residency.budget import estimate_file, model_budget
+from shoal.worker.text.residency.models_file import (
+    ModelsFileError,
+    ModelSpec,
+    check_names,
+    load_models_file,
+)
 
 
 @dataclass(frozen=True)
@@ -22,6 +31,8 @@ class PlannedModel:
     """One text model of several: its plan, and how the worker keeps it."""
 
     plan: Plan
+    estimate: Footprint
+    """What it needs before its first load measures it (``budget.estimate``)."""
     pinned: bool = False
     """Never evicted."""
     preload: bool = False
@@ -30,13 +41,28 @@ class PlannedModel:
 
 def model_specs(settings: WorkerSettings) -> tuple[ModelSpec, ...]:
     """What ``--models-file`` lists, else one spec per ``--model``."""
-    if settings.models_file is not None:
-        if settings.model:
-            raise WorkerConfigError(
-                "give the text models either with --model or in --models-file, not both"
-            )
-        return load_models_file(settings.models_file)
-    return tuple(ModelSpec(model=m, preload=True) for m in settings.models)
+    try:
+        if settings.models_file is not None:
+            if settings.model:
+                raise WorkerConfigError(
+                    "give the text models either with --model or in --models-file, not both"
+                )
+            return load_models_file(settings.models_file)
+        specs = tuple(ModelSpec(model=m) for m in settings.models)
+        check_names(specs, "--model")
+    except ModelsFileError as exc:
+        raise WorkerConfigError(str(exc)) from None
+    return specs
+
+
+def budget_of(settings: WorkerSettings, machine: MachineProfile) -> Footprint:
+    """What the text models may hold together here (``budget.model_budget``)."""
+    try:
+        gpus = None if settings.gpu_devices is None else parse_gpu_devices(settings.gpu_devices)
+    except ValueError as exc:
+        raise WorkerConfigError(str(exc)) from None  # its message names the flag
+    cap = None if settings.memory_budget is None else int(settings.memory_budget * 2**30)
+    return model_budget(machine, gpus, cap)
 
 
 def _refuse_conflicts(settings: WorkerSettings) -> None:
@@ -76,19 +102,29 @@ def measured(the_plan: Plan) -> Plan:
     return replace(the_plan, llama=replace(llama, extra_args=(*llama.extra_args, *MEASURE_ARGS)))
 
 
+def _planned(the_plan: Plan, spec: ModelSpec, index: int, budget: Footprint) -> PlannedModel:
+    llama = the_plan.llama
+    assert llama is not None  # several models: never an attached server
+    need = estimate_file(llama.model_path, llama.ctx_size * llama.slots, budget)
+    return PlannedModel(the_plan, need, spec.pinned, preloaded(spec, index))
+
+
+def preloaded(spec: ModelSpec, index: int) -> bool:
+    """Whether the ``index``-th model (from 0) loads at start: as its spec says, else only the
+    first."""
+    return spec.preload if spec.preload is not None else index == 0
+
+
 def plan_models(
     settings: WorkerSettings, path_env: str | None, machine: MachineProfile
 ) -> tuple[PlannedModel, ...]:
     """One plan per text model (downloading what is missing). Blocking."""
     _refuse_conflicts(settings)
     specs = model_specs(settings)
-    if not specs:
-        raise WorkerConfigError(f"{settings.models_file} names no model")
+    budget = budget_of(settings, machine)
     planned = tuple(
-        PlannedModel(
-            measured(plan(spec_settings(settings, s), path_env, machine)), s.pinned, s.preload
-        )
-        for s in specs
+        _planned(measured(plan(spec_settings(settings, s), path_env, machine)), s, i, budget)
+        for i, s in enumerate(specs)
     )
     names = [p.plan.model.name for p in planned]
     twice = sorted({n for n in names if names.count(n) > 1})

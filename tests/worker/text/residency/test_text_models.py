@@ -68,7 +68,7 @@ class Keeper:
 
 
 def _planned(
-    llama_server: Path, model_path: Path, logs: Path, alias: str, budget: Footprint
+    llama_server: Path, model_path: Path, logs: Path, alias: str, budget: Footprint, idle: float
 ) -> PlannedModel:
     config = LlamaServerConfig(
         binary=llama_server,
@@ -79,6 +79,7 @@ def _planned(
         log_file=logs / f"llama-server-{alias}.log",
         threads=1,
         max_restarts=0,
+        idle_unload_s=idle,
     )
     info = ModelInfo(
         name=ModelName(alias), endpoints=(Endpoint.CHAT, Endpoint.COMPLETIONS), context_length=512
@@ -109,16 +110,19 @@ class Rig:
 
 
 @pytest.fixture
-async def rig(llama_server: Path, model_path: Path, tmp_path: Path) -> AsyncIterator[Rig]:
+async def rig(
+    llama_server: Path, model_path: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[Rig]:
     """Models "a" and "b" (the default model twice), a budget of 1.15 times its first-load
     estimate: one fits; two do not, estimated or measured (the default model measures about
-    0.7 of its estimate)."""
+    0.7 of its estimate). A parameter: their idle unload, seconds (default: none)."""
+    idle: float = getattr(request, "param", 0.0)
     budget = Footprint(ram=int(estimate_file(model_path, 1024, Footprint(ram=2**40)).ram * 1.15))
     loading: list[JobLoading] = []
     states: list[BackendState] = []
     async with aiohttp.ClientSession() as session:
         models = TextModels(
-            [_planned(llama_server, model_path, tmp_path, a, budget) for a in ("a", "b")],
+            [_planned(llama_server, model_path, tmp_path, a, budget, idle) for a in ("a", "b")],
             session,
             budget,
             on_models=lambda: None,
@@ -246,3 +250,16 @@ async def test_the_routers_unload_and_load_move_a_text_model(rig: Rig) -> None:
         while a.state is not BackendState.UNLOADED:
             await a.server.changed.wait()
     assert a.evictions == 1 and not rig.models.control("nope", "load")
+
+
+@pytest.mark.parametrize("rig", [1.0], indirect=True)
+async def test_a_models_own_idle_unload_frees_it_and_its_next_job_loads_it(rig: Rig) -> None:
+    a = rig.host("a")
+    await _run(rig, 1, "a")
+    async with asyncio.timeout(LOAD_S):
+        while a.state is not BackendState.UNLOADED:
+            await a.server.changed.wait()
+    assert not a.resident and a.evictions == 0  # it went by itself
+    assert rig.models.state is BackendState.UNLOADED  # the router still sends it jobs
+    await _run(rig, 2, "a")
+    assert (a.state, a.server.loads) == (BackendState.READY, 2)

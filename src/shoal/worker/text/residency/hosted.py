@@ -65,7 +65,7 @@ class HostedModel:
         """Jobs holding this model or waiting for it."""
         self.last_used = time.monotonic()
         self.evictions = 0
-        self.load: asyncio.Task[None] | None = None
+        self.load: asyncio.Future[None] | None = None
         """The load in progress (jobs for this model share it), None when none is."""
 
     @property

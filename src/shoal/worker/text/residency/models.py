@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -117,7 +116,9 @@ class TextModels:
         """Set (and replaced) when a job lets go of a model or a model unloads."""
         self._state = self.state
         self._tg: asyncio.TaskGroup | None = None
-        """Where the router's load and unload orders run (``control``)."""
+        """Where loads and the router's load and unload orders run (``run``'s)."""
+        self._running = asyncio.Event()
+        """Set once ``run`` has its task group."""
 
     @property
     def state(self) -> BackendState:
@@ -138,6 +139,7 @@ class TextModels:
         """Supervise every model's llama-server, load the preloaded ones, until cancelled."""
         async with asyncio.TaskGroup() as tg:
             self._tg = tg
+            self._running.set()
             for host in self.hosts.values():
                 tg.create_task(host.server.run())
                 tg.create_task(host.pinning.run_measure())
@@ -194,13 +196,28 @@ class TextModels:
                 await host.server.load()
                 continue
             if host.load is None:
-                host.load = asyncio.create_task(self._load(host))
-                host.load.add_done_callback(functools.partial(self._load_done, host))
-            await asyncio.shield(host.load)
+                await self._running.wait()
+                if host.load is None and host.state is BackendState.UNLOADED:
+                    host.load = asyncio.get_running_loop().create_future()
+                    assert self._tg is not None
+                    self._tg.create_task(self._load_for_all(host, host.load))
+                    continue
+            if host.load is not None:
+                await asyncio.shield(host.load)
 
-    def _load_done(self, host: HostedModel, _task: asyncio.Task[None]) -> None:
-        host.load = None
-        self._free()
+    async def _load_for_all(self, host: HostedModel, done: asyncio.Future[None]) -> None:
+        """``_load``, its outcome in ``done`` for every job that waits on it (a refusal or a
+        failure is theirs, not the task group's)."""
+        try:
+            await self._load(host)
+            done.set_result(None)
+        except (ModelDoesNotFit, NotServing) as exc:
+            done.set_exception(exc)
+        finally:
+            if not done.done():  # cancelled: the worker stops
+                done.cancel()
+            host.load = None
+            self._free()
 
     async def _load(self, host: HostedModel) -> None:
         """Make room for ``host`` (``admit``), then load it."""

@@ -65,9 +65,14 @@ def test_both_models_answer_and_each_evicts_the_other(cluster: Cluster, tmp_path
     assert {"smol-a", "smol-b"} <= listed
     [worker] = router.workers()
     assert worker["slots"] == 3
-    for n, model in enumerate(["smol-b", "smol-a", "smol-b"]):
+    for n, model in enumerate(["smol-b", "smol-a"]):
         r = client.chat.completions.create(model=model, messages=HELLO, max_tokens=4)
         assert r.model == model and r.choices[0].message.content, n
+    # Streamed, for the model just evicted: it waits while smol-b loads, then streams.
+    stream = client.chat.completions.create(
+        model="smol-b", messages=HELLO, max_tokens=4, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     models = wait_until(
         lambda: (m := _models(router))["smol-a"]["state"] == "unloaded" and m,
         10,

@@ -2,10 +2,10 @@
 file (the default model twice, under two aliases; the first pinned and preloaded) and a
 ``--memory-budget`` that holds one of them, and the official ``openai`` client.
 
-Both models answer; the router lists each with its own state; the second one's first request
-loads it (the first, pinned, is never evicted, so the second loads beside it only if it fits:
-here it does not, and it is refused with the numbers); with nothing pinned, each request for
-the other model evicts the loaded one.
+Both models answer; the router lists each with its own state; with nothing pinned, each
+request for the other model evicts the loaded one (a streamed one waits for the load too);
+with the first pinned, the second, which does not fit beside it, is never loaded and the
+first never evicted.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -68,11 +69,16 @@ def test_both_models_answer_and_each_evicts_the_other(cluster: Cluster, tmp_path
     for n, model in enumerate(["smol-b", "smol-a"]):
         r = client.chat.completions.create(model=model, messages=HELLO, max_tokens=4)
         assert r.model == model and r.choices[0].message.content, n
-    # Streamed, for the model just evicted: it waits while smol-b loads, then streams.
-    stream = client.chat.completions.create(
-        model="smol-b", messages=HELLO, max_tokens=4, stream=True
-    )
-    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    # Streamed, for the model just evicted: it waits while smol-b loads (the worker tells the
+    # router, which shows the client an SSE comment), then streams.
+    body = {"model": "smol-b", "messages": HELLO, "max_tokens": 4, "stream": True}
+    with httpx.stream(
+        "POST", router.url + "/v1/chat/completions", json=body, headers=router.headers, timeout=60
+    ) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert response.status_code == 200
+    assert ": loading model=smol-b" in lines, lines[:3]
+    assert any(line.startswith("data: ") and '"content"' in line for line in lines)
     models = wait_until(
         lambda: (m := _models(router))["smol-a"]["state"] == "unloaded" and m,
         10,
@@ -85,10 +91,13 @@ def test_both_models_answer_and_each_evicts_the_other(cluster: Cluster, tmp_path
     client.close()
 
 
-def test_a_model_that_cannot_fit_beside_a_pinned_one_is_refused_with_numbers(
+def test_a_model_that_cannot_fit_beside_a_pinned_one_never_evicts_it(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    router = cluster.router()
+    """The router sees from the worker's report that smol-b does not fit beside the pinned
+    smol-a, so it never sends the job (the worker would refuse it, 503 model_does_not_fit:
+    ``tests/worker/text/residency``); the client gets the router's 503 after --max-wait."""
+    router = cluster.router("--max-wait", "3")
     _worker(cluster, router, tmp_path, pinned=True)
     router.wait_workers(1)
     client = openai.OpenAI(base_url=router.url + "/v1", api_key=API_KEY, max_retries=0)
@@ -96,7 +105,9 @@ def test_a_model_that_cannot_fit_beside_a_pinned_one_is_refused_with_numbers(
     assert r.choices[0].message.content
     with pytest.raises(openai.APIStatusError) as caught:
         client.chat.completions.create(model="smol-b", messages=HELLO, max_tokens=4)
-    assert caught.value.status_code == 503
-    assert "pinned" in str(caught.value) and "smol-b needs" in str(caught.value)
-    assert _models(router)["smol-a"]["pinned"] is True
+    assert caught.value.status_code == 503 and "smol-b" in str(caught.value)
+    models = _models(router)
+    assert models["smol-a"]["pinned"] is True and models["smol-a"]["state"] == "ready"
+    assert (models["smol-a"]["loads"], models["smol-a"]["evictions"]) == (1, 0)
+    assert (models["smol-b"]["state"], models["smol-b"]["loads"]) == ("unloaded", 0)
     client.close()

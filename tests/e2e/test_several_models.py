@@ -36,20 +36,21 @@ def _models_file(tmp_path: Path, model_path: Path, pinned: bool) -> Path:
     return file
 
 
-def _worker(cluster: Cluster, router: Router, tmp_path: Path, pinned: bool) -> None:
-    # Either model's first-load estimate fits, but not beside the other, estimated or
-    # measured (the default model measures about 0.7 of its estimate).
+def _several(cluster: Cluster, tmp_path: Path, pinned: bool) -> tuple[str, ...]:
+    """The flags for the two models. Either one's first-load estimate fits, but not beside
+    the other, estimated or measured (the default model measures about 0.7 of its estimate)."""
     estimate = estimate_file(cluster.model_path, 1024, Footprint(ram=2**40))
-    cluster.worker(
-        router,
-        "--llama-server-path",
-        str(cluster.llama_server),
+    return (
         "--models-file",
         str(_models_file(tmp_path, cluster.model_path, pinned)),
         "--memory-budget",
         f"{estimate.ram * 1.15 / 2**30:.4f}",
-        model=False,
     )
+
+
+def _worker(cluster: Cluster, router: Router, tmp_path: Path, pinned: bool) -> None:
+    several = _several(cluster, tmp_path, pinned)
+    cluster.worker(router, "--llama-server-path", str(cluster.llama_server), *several, model=False)
 
 
 def _models(router: Router) -> dict[str, dict[str, Any]]:
@@ -110,4 +111,34 @@ def test_a_model_that_cannot_fit_beside_a_pinned_one_never_evicts_it(
     assert models["smol-a"]["pinned"] is True and models["smol-a"]["state"] == "ready"
     assert (models["smol-a"]["loads"], models["smol-a"]["evictions"]) == (1, 0)
     assert (models["smol-b"]["state"], models["smol-b"]["loads"]) == ("unloaded", 0)
+    client.close()
+
+
+def test_a_pull_worker_serves_several_models_too(
+    cluster: Cluster, tmp_path: Path, redis_prefix: str
+) -> None:
+    """Pull mode (``--redis-url``): the same models, jobs taken from Redis; a streamed request
+    for the unloaded model shows the load (the puller publishes the worker's JobLoading)."""
+    redis_url = "redis://127.0.0.1:6379/0"
+    router = cluster.router("--redis-url", redis_url, "--redis-prefix", redis_prefix)
+    several = _several(cluster, tmp_path, pinned=False)
+    cluster.pull_worker(redis_url, redis_prefix, *several, model=False)
+    router.wait_workers(1)
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key=API_KEY, max_retries=0)
+    r = client.chat.completions.create(model="smol-a", messages=HELLO, max_tokens=4)
+    assert r.model == "smol-a" and r.choices[0].message.content
+    body = {"model": "smol-b", "messages": HELLO, "max_tokens": 4, "stream": True}
+    with httpx.stream(
+        "POST", router.url + "/v1/chat/completions", json=body, headers=router.headers, timeout=60
+    ) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert response.status_code == 200
+    assert ": loading model=smol-b" in lines, lines[:3]
+    assert any(line.startswith("data: ") and '"content"' in line for line in lines)
+    models = wait_until(
+        lambda: (m := _models(router))["smol-a"]["state"] == "unloaded" and m,
+        10,
+        "smol-a evicted",
+    )
+    assert models["smol-b"]["state"] == "ready" and models["smol-a"]["evictions"] == 1
     client.close()

@@ -21,7 +21,7 @@ import aiohttp
 from shoal import __version__
 from shoal.hardware.profile import MachineProfile
 from shoal.protocol.ids import WorkerId, new_worker_id
-from shoal.protocol.messages import IMAGE_ENDPOINTS, PROTOCOL_VERSION, Register
+from shoal.protocol.messages import IMAGE_ENDPOINTS, PROTOCOL_VERSION, JobLoading, Register
 from shoal.worker import hardware
 from shoal.worker.images.plan import plan_images
 from shoal.worker.jobs.runner import JobRunner
@@ -35,7 +35,7 @@ from shoal.worker.shards.host import ShardHost
 from shoal.worker.shards.tools import ShardTools, split_models
 from shoal.worker.shards.tunnels import TunnelEnds
 from shoal.worker.text import loopback
-from shoal.worker.text.plan import Plan, gpus_unused_before_plan, needs_router_default, plan
+from shoal.worker.text.plan import gpus_unused_before_plan, needs_router_default, plan
 from shoal.worker.tls import client_tls_context
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,6 @@ async def run_worker(
     if settings.redis_url is not None:
         if the_plan is None:
             the_plan = await asyncio.to_thread(plan, settings, path_env, machine)
-        assert isinstance(the_plan, Plan)  # several text models are refused in pull mode
         serving = Serving(settings, machine, path_env, on_ready, shards=PULL_NO_SHARDS)
         memory = hardware.MemoryProbe(machine, settings.gpu_devices)
         await _pull(
@@ -147,7 +146,6 @@ async def run_worker(
             gpus_unused=None
             if the_plan or not text
             else await asyncio.to_thread(gpus_unused_before_plan, settings, path_env, machine),
-            loading=outbox.send,
         )
         if serving.images is not None:
             runner.serve(IMAGE_ENDPOINTS, serving.images.run_job)
@@ -181,7 +179,7 @@ async def run_worker(
                 tg.create_task(
                     drain(stop, link, lambda: runner.running, until_answered, timeout, worker_id)
                 )
-                await _serve(serving, the_plan, text, link, tg, runner, session)
+                await _serve(serving, the_plan, text, link, tg, runner, session, outbox.send)
         except* Drained:
             pass
 
@@ -202,6 +200,7 @@ async def _serve(
     tg: asyncio.TaskGroup,
     runner: JobRunner,
     session: aiohttp.ClientSession,
+    loading: Callable[[JobLoading], None],
 ) -> None:
     """Start what the worker serves in ``tg``, then serve its router link."""
     if serving.shards is not None:
@@ -209,7 +208,7 @@ async def _serve(
     if serving.images is not None:
         tg.create_task(serving.images.run())
     if the_plan is not None:
-        await serving.start(the_plan, tg, runner, session)
+        await serving.start(the_plan, tg, runner, session, loading)
     elif text:
         tg.create_task(serving.adopt_default(link, tg, runner, session))
     else:
@@ -237,7 +236,7 @@ def _shard_host(
 async def _pull(
     settings: WorkerSettings,
     serving: Serving,
-    the_plan: Plan,
+    the_plan: TextPlan,
     register: Callable[[], Register],
     memory: hardware.MemoryProbe,
     stop: Drain,
@@ -259,7 +258,7 @@ async def _pull(
         "worker %s (%s) serving %s, taking jobs from Redis at %s (prefix %r)",
         puller.worker_id,
         settings.name,
-        the_plan.model.name,
+        _serves(the_plan),
         redis_address(url),
         settings.redis_prefix,
     )
@@ -269,7 +268,7 @@ async def _pull(
             asyncio.TaskGroup() as tg,
         ):
             # The runner task is created first, so it is open when the puller first claims.
-            await serving.start(the_plan, tg, puller.runner, session)
+            await serving.start(the_plan, tg, puller.runner, session, puller.loading)
             running, until = (lambda: puller.running), puller.runner.until_idle
             name = puller.worker_id
             tg.create_task(drain(stop, puller, running, until, settings.drain_timeout, name))

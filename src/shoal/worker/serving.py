@@ -79,14 +79,10 @@ class Serving:
         image_plans: Sequence[ImagePlan] = (),
         images_give_state: bool = False,
         gpus_unused: str | None = None,
-        loading: Callable[[JobLoading], None] | None = None,
     ) -> None:
         """``shards``: how to build the shard host, or why this worker cannot run parts of
         split models. ``images_give_state``: the image models' state is the worker's (it
-        serves no text). ``gpus_unused``: why the GPUs would sit idle, known before a plan.
-        ``loading``: where a job that waits for its text model to load is told of (the
-        router link)."""
-        self.loading = loading
+        serves no text). ``gpus_unused``: why the GPUs would sit idle, known before a plan."""
         self.text_models: TextModels | None = None
         """Several text models (None: one, or none)."""
         self.model_budget: Footprint | None = None
@@ -184,10 +180,13 @@ class Serving:
         tg: asyncio.TaskGroup,
         runner: JobRunner,
         session: aiohttp.ClientSession,
+        loading: Callable[[JobLoading], None] | None = None,
     ) -> None:
-        """``session`` carries the jobs (``loopback``)."""
+        """``session`` carries the jobs (``loopback``). ``loading``: where a job that waits
+        for one of several text models to load is told of (the router link's outbox, or the
+        Redis puller)."""
         if isinstance(the_plan, tuple):
-            self.start_several(the_plan, tg, runner, session)
+            self.start_several(the_plan, tg, runner, session, loading)
             return
         supervisor: LlamaServer | AttachedServer
         pinning: SlotPinning | None = None
@@ -212,6 +211,7 @@ class Serving:
         tg: asyncio.TaskGroup,
         runner: JobRunner,
         session: aiohttp.ClientSession,
+        loading: Callable[[JobLoading], None] | None,
     ) -> None:
         """Several text models: each model's jobs go to it through ``TextModels``."""
         self.model_budget = budget_of(self.settings, self.machine)
@@ -222,7 +222,7 @@ class Serving:
             on_models=self.models_changed,
             on_state=self.on_state,
             on_cache=self.cache_changed,
-            loading=self.loading,
+            loading=loading,
         )
         self.plan = planned[0].plan
         log.info(

@@ -117,7 +117,6 @@ def test_each_model_gets_its_own_options_else_the_workers() -> None:
     ("flag", "value"),
     [
         ("backend_url", "http://127.0.0.1:9"),
-        ("redis_url", "redis://127.0.0.1:6379"),
         ("model_alias", "x"),
     ],
 )

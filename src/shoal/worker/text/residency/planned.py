@@ -68,7 +68,6 @@ def budget_of(settings: WorkerSettings, machine: MachineProfile) -> Footprint:
 def _refuse_conflicts(settings: WorkerSettings) -> None:
     for given, flag in (
         (settings.backend_url, "--backend-url"),
-        (settings.redis_url, "--redis-url"),
         (settings.model_path, "--model-path"),
         (settings.model_alias, "--model-alias"),
     ):

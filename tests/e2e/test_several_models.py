@@ -6,10 +6,17 @@ Both models answer; the router lists each with its own state; with nothing pinne
 request for the other model evicts the loaded one (a streamed one waits for the load too);
 with the first pinned, the second, which does not fit beside it, is never loaded and the
 first never evicted.
+
+Then each model a copy of the default model's GGUF, and a budget of 256 MiB that holds one:
+an evicted conversation comes back with its KV cache restored; concurrent requests share one
+load; a model that cannot fit is refused at once with its numbers; a Hugging Face repo named
+with its quantization serves beside a local model.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +25,7 @@ import openai
 import pytest
 
 from cluster import API_KEY, Cluster, Router, wait_until
+from fakes.fake_hub import FakeHub
 from shoal.models.residency import Footprint
 from shoal.worker.text.residency.budget import estimate_file
 
@@ -96,9 +104,10 @@ def test_a_model_that_cannot_fit_beside_a_pinned_one_never_evicts_it(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     """The router sees from the worker's report that smol-b does not fit beside the pinned
-    smol-a, so it never sends the job (the worker would refuse it, 503 model_does_not_fit:
-    ``tests/worker/text/residency``); the client gets the router's 503 after --max-wait."""
-    router = cluster.router("--max-wait", "3")
+    smol-a, so it never sends the job (the worker would refuse it too:
+    ``tests/worker/text/residency``); the client gets the router's 503 model_does_not_fit at
+    once, naming the numbers, not after --max-wait (60 s here)."""
+    router = cluster.router("--max-wait", "60")
     _worker(cluster, router, tmp_path, pinned=True)
     router.wait_workers(1)
     client = openai.OpenAI(base_url=router.url + "/v1", api_key=API_KEY, max_retries=0)
@@ -107,6 +116,9 @@ def test_a_model_that_cannot_fit_beside_a_pinned_one_never_evicts_it(
     with pytest.raises(openai.APIStatusError) as caught:
         client.chat.completions.create(model="smol-b", messages=HELLO, max_tokens=4)
     assert caught.value.status_code == 503 and "smol-b" in str(caught.value)
+    body = caught.value.body
+    assert isinstance(body, dict) and body["code"] == "model_does_not_fit", body
+    assert "pinned" in body["message"] and "MiB" in body["message"], body
     models = _models(router)
     assert models["smol-a"]["pinned"] is True and models["smol-a"]["state"] == "ready"
     assert (models["smol-a"]["loads"], models["smol-a"]["evictions"]) == (1, 0)
@@ -142,3 +154,182 @@ def test_a_pull_worker_serves_several_models_too(
     )
     assert models["smol-b"]["state"] == "ready" and models["smol-a"]["evictions"] == 1
     client.close()
+
+
+# ------------------------------------------- each model a copy of its own, one fits at once
+
+ONE_MODEL_BUDGET_GIB = "0.25"
+SYSTEM = "You are the support assistant of a parcel company. " + " ".join(
+    f"Rule {i}: answer politely about parcel number {i * 37}." for i in range(40)
+)
+
+
+def _copies_file(tmp: Path, model_path: Path, *names: str, extra: str = "") -> Path:
+    """A models file serving a copy of the default model under each of ``names``."""
+    lines = []
+    for name in names:
+        copy = tmp / f"{name}.gguf"
+        shutil.copyfile(model_path, copy)
+        lines += [
+            "[[models]]",
+            f'model = "{copy}"',
+            f'alias = "{name}"',
+            "slots = 2",
+            "ctx_size = 1024",
+            "",
+        ]
+    path = tmp / "models.toml"
+    path.write_text("\n".join(lines) + extra)
+    return path
+
+
+def _chat(client: openai.OpenAI, model: str, messages: list[dict[str, str]]) -> Any:
+    return client.chat.completions.create(
+        model=model,
+        max_tokens=8,
+        temperature=0,
+        messages=messages,
+    )
+
+
+def _start(cluster: Cluster, tmp_path: Path, model_path: Path, *names: str) -> Router:
+    router = cluster.router()
+    cluster.worker(
+        router,
+        *("--llama-server-path", str(cluster.llama_server)),
+        *("--models-file", str(_copies_file(tmp_path, model_path, *names))),
+        *("--memory-budget", ONE_MODEL_BUDGET_GIB),
+        model=False,
+    )
+    router.wait_workers(1, timeout=120)
+    wait_until(lambda: len(_models(router)) == len(names), 60, "the worker's models")
+    return router
+
+
+def test_two_models_answer_and_an_evicted_conversation_comes_back_cached(
+    cluster: Cluster, tmp_path: Path, model_path: Path
+) -> None:
+    router = _start(cluster, tmp_path, model_path, "alpha", "beta")
+    with openai.OpenAI(base_url=router.url + "/v1", api_key=API_KEY, max_retries=0) as client:
+        listed = {m.id for m in client.models.list()}
+        assert listed == {"alpha", "beta"}
+        conversation = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
+        first = _chat(client, "alpha", conversation)
+        assert first.model == "alpha" and first.choices[0].message.content
+        # beta does not fit beside alpha: alpha is evicted (its slots' KV cache saved first)
+        other = _chat(client, "beta", [{"role": "user", "content": "Hello"}])
+        assert other.model == "beta" and other.choices[0].message.content
+        models = _models(router)
+        assert models["alpha"]["state"] == "unloaded" and models["alpha"]["evictions"] == 1
+        assert models["beta"]["state"] == "ready"
+        # alpha's conversation returns: alpha loads again, evicting beta, and its restored
+        # cache holds the conversation's prefix
+        conversation += [
+            {"role": "assistant", "content": first.choices[0].message.content or ""},
+            {"role": "user", "content": "And parcel 74?"},
+        ]
+        back = _chat(client, "alpha", conversation)
+    assert first.usage is not None and back.usage is not None
+    details = back.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens is not None
+    assert details.cached_tokens >= 0.9 * first.usage.prompt_tokens, back.usage
+    models = _models(router)
+    assert models["alpha"]["loads"] == 2 and models["beta"]["evictions"] == 1
+    for m in models.values():  # what llama-server reported replaced the estimate
+        assert 100 * 2**20 < m["resident_bytes"] < 200 * 2**20, m
+        assert m["load_seconds"] > 0
+    (worker,) = router.workers()
+    budget = worker["model_budget_bytes"]
+    resident = sum(m["resident_bytes"] for m in models.values() if m["state"] == "ready")
+    assert resident <= budget == int(float(ONE_MODEL_BUDGET_GIB) * 2**30)
+
+
+def test_concurrent_requests_share_one_load_and_a_stream_sees_it_loading(
+    cluster: Cluster, tmp_path: Path, model_path: Path
+) -> None:
+    router = _start(cluster, tmp_path, model_path, "alpha", "beta")
+    assert _models(router)["beta"]["state"] != "ready"  # only the first is preloaded
+    loads_before = _models(router)["beta"]["loads"]
+    body = {"model": "beta", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+
+    def plain() -> str:
+        with openai.OpenAI(base_url=router.url + "/v1", api_key=API_KEY, max_retries=0) as c:
+            return _chat(c, "beta", body["messages"]).choices[0].message.content or ""
+
+    def streamed() -> list[str]:
+        with httpx.stream(
+            "POST",
+            router.url + "/v1/chat/completions",
+            json={**body, "stream": True},
+            headers=router.headers,
+            timeout=120,
+        ) as r:
+            assert r.status_code == 200
+            return list(r.iter_lines())
+
+    # as many as beta has slots, so both are placed at once (a third would queue in the
+    # router until one is free, and never wait for the load)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        stream = pool.submit(streamed)
+        answer = pool.submit(plain)
+        assert answer.result(timeout=120)
+        lines = stream.result(timeout=120)
+    assert ": loading model=beta" in lines, lines[:5]
+    assert any(line.startswith("data: {") for line in lines) and lines[-2:] == ["data: [DONE]", ""]
+    assert _models(router)["beta"]["loads"] == loads_before + 1
+
+
+def test_a_model_that_cannot_fit_is_refused_with_its_numbers(
+    cluster: Cluster, tmp_path: Path, model_path: Path
+) -> None:
+    router = cluster.router()
+    worker = cluster.worker(
+        router,
+        *("--llama-server-path", str(cluster.llama_server)),
+        *("--models-file", str(_copies_file(tmp_path, model_path, "alpha"))),
+        *("--memory-budget", "0.05"),  # 51 MiB: the weights alone are 92 MiB
+        model=False,
+    )
+    # its only model could not be preloaded: the worker is up, with nothing loaded
+    wait_until(lambda: _models(router).get("alpha"), 120, "the worker's model")
+    wait_until(lambda: "not preloaded" in worker.log(), 60, "the worker's preload refusal")
+    with (
+        openai.OpenAI(base_url=router.url + "/v1", api_key=API_KEY, max_retries=0) as client,
+        pytest.raises(openai.APIStatusError) as refused,
+    ):
+        _chat(client, "alpha", [{"role": "user", "content": "hi"}])
+    # at once (not after --max-wait), with the numbers
+    assert refused.value.status_code == 503
+    body = refused.value.body
+    assert isinstance(body, dict) and body["code"] == "model_does_not_fit", body
+    message = body["message"]
+    assert "alpha" in message and "MiB" in message and "budget" in message, message
+    assert _models(router)["alpha"]["state"] == "unloaded"
+
+
+def test_a_hugging_face_repo_with_its_quantization_serves_beside_a_local_model(
+    cluster: Cluster, tmp_path: Path, model_path: Path
+) -> None:
+    """``model = "org/repo:Q4_1"`` in the models file: listed on the stand-in Hub, its Q4_1
+    file downloaded, and served beside a local one."""
+    repo = "someorg/SmolLM2-135M-Instruct-GGUF"
+    q4 = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    files = {(repo, q4): model_path, (repo, "SmolLM2-135M-Instruct.Q8_0.gguf"): model_path}
+    name = f"{repo}:Q4_1"
+    extra = f'[[models]]\nmodel = "{name}"\nslots = 2\nctx_size = 1024\n'
+    with FakeHub.start(files) as hub:
+        router = cluster.router()
+        cluster.worker(
+            router,
+            *("--llama-server-path", str(cluster.llama_server)),
+            *("--models-file", str(_copies_file(tmp_path, model_path, "alpha", extra=extra))),
+            model=False,
+            env={"HF_ENDPOINT": hub.url},
+        )
+        router.wait_workers(1, timeout=120)
+        wait_until(lambda: len(_models(router)) == 2, 60, "the worker's models")
+        with openai.OpenAI(base_url=router.url + "/v1", api_key=API_KEY, max_retries=0) as c:
+            assert {m.id for m in c.models.list()} == {"alpha", name}
+            for model in ("alpha", name):
+                reply = _chat(c, model, [{"role": "user", "content": "hi"}])
+                assert reply.model == model and reply.choices[0].message.content

@@ -78,6 +78,14 @@ class Unavailable(RouterError):
     code = "no_worker_available"
 
 
+class ModelDoesNotFit(RouterError):
+    """Every worker serving the model (as one of several text models) could never load it:
+    it is too big for their budgets, or does not fit beside their pinned models."""
+
+    status = 503
+    code = "model_does_not_fit"
+
+
 class StoreUnavailable(RouterError):
     """A model store the router asks for a split model could not be reached."""
 

@@ -39,8 +39,9 @@ from shoal.worker.text.backend import Backend, BackendTarget, discover_model
 from shoal.worker.text.llama_server import LlamaServer
 from shoal.worker.text.pinning import SlotPinning
 from shoal.worker.text.plan import Plan, plan
+from shoal.worker.text.residency.keeper import KeptCaches
 from shoal.worker.text.residency.models import TextModels
-from shoal.worker.text.residency.planned import PlannedModel, budget_of
+from shoal.worker.text.residency.planned import PlannedModel, budget_of, slot_saves
 from shoal.worker.text.slots import SlotTable
 
 TextPlan = Plan | tuple[PlannedModel, ...]
@@ -223,6 +224,7 @@ class Serving:
             on_state=self.on_state,
             on_cache=self.cache_changed,
             loading=loading,
+            keeper=KeptCaches(slot_saves(self.settings), session),
         )
         self.plan = planned[0].plan
         log.info(

@@ -34,6 +34,7 @@ from shoal.router.dispatch.scheduler import (
     residency_of,
 )
 from shoal.router.dispatch.workers import WorkerConnection
+from shoal.router.errors import ModelDoesNotFit
 from socketless import memory_dispatcher, worker_connection
 
 A, B, C = ModelName("a"), ModelName("b"), ModelName("c")
@@ -303,3 +304,27 @@ def test_a_model_a_job_is_loading_is_neither_evicted_nor_counted_free() -> None:
     assert [m.state for m in x.load().residency] == [LOADING, UNLOADED]
     b_job = dispatcher.submit(Submission(B, CHAT, True, {"messages": []}))
     assert b_job.worker_id == "y"
+
+
+def test_a_model_no_worker_could_ever_load_is_refused_at_once_with_its_numbers() -> None:
+    """Every worker serving it refuses it for good (too big for one budget, not beside the
+    pinned model of the other): the request is refused now, naming each worker's numbers,
+    rather than waiting out --max-wait. One worker that could load it (after its jobs end)
+    is enough to queue it."""
+    dispatcher = memory_dispatcher()
+    big = ModelInfo(name=A, endpoints=(CHAT,), state=UNLOADED, slots=1, resident_bytes=8 * GB)
+    pinned = _text(B, READY).model_copy(update={"pinned": True})
+    x = worker_connection("x", [big], model_budget_bytes=6 * GB)
+    y = worker_connection(
+        "y", [big.model_copy(update={"resident_bytes": 3 * GB}), pinned], model_budget_bytes=6 * GB
+    )
+    for worker in (x, y):
+        dispatcher.workers.on_registered(worker)
+    with pytest.raises(ModelDoesNotFit) as refused:
+        dispatcher.submit(Submission(A, CHAT, False, {"messages": []}))
+    message = str(refused.value)
+    assert "worker x: model a needs 8.0 GiB" in message, message
+    assert "worker y: model a needs 3.0 GiB" in message and "pinned" in message, message
+    z = worker_connection("z", [_text(A, UNLOADED), _text(B, READY)], model_budget_bytes=6 * GB)
+    dispatcher.workers.on_registered(z)
+    assert dispatcher.submit(Submission(A, CHAT, False, {"messages": []})).worker_id == "z"

@@ -12,13 +12,15 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
+from shoal.models.residency import Refuse
 from shoal.protocol.ids import ModelName
 from shoal.protocol.messages import AGENT_ENDPOINTS, Endpoint, ErrorBody
 from shoal.router.dispatch import need
 from shoal.router.dispatch.directory import RemoteWorker
 from shoal.router.dispatch.job import Job, JobState, Submission
+from shoal.router.dispatch.scheduler import admission
 from shoal.router.dispatch.workers import Registry
-from shoal.router.errors import BadRequest, ModelNotFound, QueueFull, Unavailable
+from shoal.router.errors import BadRequest, ModelDoesNotFit, ModelNotFound, QueueFull, Unavailable
 
 RETRY_AFTER_QUEUE_FULL_S = 2.0
 RETRY_AFTER_NO_WORKER_S = 5.0
@@ -82,6 +84,31 @@ def check_served(
     if any(r.serves(model, endpoint) for r in others):
         return
     raise unsupported_endpoint(model, endpoint)
+
+
+def check_fits(
+    model: ModelName, endpoint: Endpoint, registry: Registry, remote: Sequence[RemoteWorker]
+) -> None:
+    """Raise the 503 ``model_does_not_fit`` when every worker serving ``model`` as one of
+    several text models could never load it (``scheduler.admission`` refuses it: too big for
+    the worker's budget, or not beside its pinned models), naming the numbers: waiting would
+    not help, so the client hears it now rather than after ``--max-wait``. Return when one
+    worker could (or decides for itself: one model of its own, or a size it does not say)."""
+    loads = [w.load() for w in registry.serving(model, endpoint)]
+    loads += [r.load() for r in remote if r.serves(model, endpoint)]
+    reasons: list[str] = []
+    for w in loads:
+        own = w.model(model)
+        if own is None or own.resident_bytes is None or own.holds_memory:
+            return
+        decision = admission(w, own)
+        if not isinstance(decision, Refuse):
+            return
+        reasons.append(f"worker {w.id}: {decision.reason}")
+    if reasons:
+        raise ModelDoesNotFit(
+            f"No worker can load the model {model!r}: " + "; ".join(sorted(reasons)) + "."
+        )
 
 
 def contexts(

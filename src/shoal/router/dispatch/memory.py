@@ -110,6 +110,7 @@ class MemoryDispatcher:
 
     def check_served(self, model: ModelName, endpoint: Endpoint) -> None:
         answers.check_served(model, endpoint, self.registry, (), self._away)
+        answers.check_fits(model, endpoint, self.registry, ())
 
     def submit(self, ask: Submission) -> Job:
         self.check_served(ask.model, ask.endpoint)

@@ -276,6 +276,7 @@ class RedisDispatcher:
 
     def check_served(self, model: ModelName, endpoint: Endpoint) -> None:
         answers.check_served(model, endpoint, self.registry, self.directory.remote, self._away)
+        answers.check_fits(model, endpoint, self.registry, self.directory.remote)
 
     def submit(self, ask: Submission) -> Job:
         """The job waits in Redis for ``ask.tenant``'s share (``_enqueue``)."""

@@ -96,7 +96,10 @@ class HostedModel:
         measured = footprint_from_log(self.server.load_log)
         if measured is not None:
             self.measured = measured
-        self.pinning.ready()  # a new llama-server: measure its prompt speed
+        if self.server.loads == 1:
+            # its prompt speed, once: measuring takes a slot, and on a reload every slot may
+            # hold a conversation's cache just restored (``kv_saves.py``)
+            self.pinning.ready()
 
     def info(self) -> ModelInfo:
         return self.plan.model.model_copy(

@@ -15,9 +15,12 @@ from dataclasses import dataclass, replace
 from shoal.hardware.detect import parse_gpu_devices
 from shoal.hardware.profile import MachineProfile
 from shoal.models.residency import Footprint
+from shoal.paths import kv_saves_dir
+from shoal.units import GIB
 from shoal.worker.settings import WorkerSettings
 from shoal.worker.text.plan import Plan, WorkerConfigError, plan
 from shoal.worker.text.residency.budget import estimate_file, model_budget
+from shoal.worker.text.residency.kv_saves import SlotSaves
 from shoal.worker.text.residency.models_file import (
     ModelsFileError,
     ModelSpec,
@@ -90,15 +93,40 @@ def spec_settings(settings: WorkerSettings, spec: ModelSpec) -> WorkerSettings:
 
 MEASURE_ARGS = ("-lv", "4")
 """llama-server logs its buffers' sizes (what a model holds) only at this verbosity."""
+NO_PROMPT_CACHE_ARGS = ("--cache-ram", "0")
+"""llama-server's host-memory prompt cache (8 GiB at most by default) would grow each model
+past what it measured on load; Shoal's pinned jobs never read it (``text/slots.py``), and a
+model's slots are kept across an eviction by ``kv_saves.py`` instead."""
 
 
 def measured(the_plan: Plan) -> Plan:
-    """``the_plan`` with llama-server logging its buffers (unless its arguments set a
-    verbosity)."""
+    """``the_plan`` as a model of several runs it: llama-server logs its buffers (unless its
+    arguments set a verbosity) and keeps no prompt cache in RAM (unless they set one)."""
     llama = the_plan.llama
-    if llama is None or {"-lv", "--log-verbosity", "--verbosity"} & set(llama.extra_args):
+    if llama is None:
         return the_plan
-    return replace(the_plan, llama=replace(llama, extra_args=(*llama.extra_args, *MEASURE_ARGS)))
+    given = set(llama.extra_args)
+    extra = llama.extra_args
+    if not {"-lv", "--log-verbosity", "--verbosity"} & given:
+        extra = (*extra, *MEASURE_ARGS)
+    if not {"--cache-ram", "-cram"} & given:
+        extra = (*extra, *NO_PROMPT_CACHE_ARGS)
+    return replace(the_plan, llama=replace(llama, extra_args=extra))
+
+
+def slot_saves(settings: WorkerSettings) -> SlotSaves:
+    """Where the models' slots are saved before an eviction, and how much of them is kept
+    (``--kv-save-limit``; 0: none)."""
+    return SlotSaves(kv_saves_dir(settings.cache_dir), int(settings.kv_save_limit * GIB))
+
+
+def one_of_several(the_plan: Plan, saves: SlotSaves) -> Plan:
+    """``measured``, its slots saved where ``saves`` keeps this model's (a folder named by
+    its final command line, so a cache only goes back into the model that made it)."""
+    ran = measured(the_plan)
+    if ran.llama is None:
+        return ran
+    return replace(ran, llama=replace(ran.llama, slot_save_path=saves.folder(ran.llama)))
 
 
 def _planned(the_plan: Plan, spec: ModelSpec, index: int, budget: Footprint) -> PlannedModel:
@@ -121,8 +149,11 @@ def plan_models(
     _refuse_conflicts(settings)
     specs = model_specs(settings)
     budget = budget_of(settings, machine)
+    saves = slot_saves(settings)
     planned = tuple(
-        _planned(measured(plan(spec_settings(settings, s), path_env, machine)), s, i, budget)
+        _planned(
+            one_of_several(plan(spec_settings(settings, s), path_env, machine), saves), s, i, budget
+        )
         for i, s in enumerate(specs)
     )
     names = [p.plan.model.name for p in planned]

@@ -101,7 +101,7 @@ async def run_worker(
 
     With ``the_plan`` None the model is the router's default, resolved after registering
     (in pull mode, Shoal's default model, resolved first). A tuple of planned models: several
-    text models (``text/residency/``; not in pull mode).
+    text models (``text/residency/``), with a router or in pull mode.
     """
     stop = stop or Drain()
     worker_id = new_worker_id(settings.name)

@@ -153,3 +153,23 @@ def test_a_build_driving_some_of_the_gpus_is_a_warning() -> None:
 def test_a_model_that_cannot_be_served_is_an_error() -> None:
     check = model_check("no-such-model", "no quantization of no-such-model fits", False)
     assert check.status == "error" and check.fix == "see `shoal models show no-such-model`"
+
+
+def test_several_text_models_get_a_check_each(tmp_path: Path) -> None:
+    """``--model a,b`` (several models per worker) is two models, not one named "a,b"; so is
+    a models file's list, and a models file's mistake is the model check's error."""
+    answer = doctor("--json", "--model", "smollm2-135m-instruct,no-such-model", path=SYSTEM_PATH)
+    found = [c for c in json.loads(answer.stdout)["checks"] if c["name"] == "model"]
+    assert [c["finding"].split()[0] for c in found] == [
+        "smollm2-135m-instruct",
+        "no-such-model",
+    ], found
+    listed = tmp_path / "models.toml"
+    listed.write_text('[[models]]\nmodel = "smollm2-135m-instruct"\n[[models]]\nmodel = "x"\n')
+    answer = doctor("--json", "--models-file", str(listed), path=SYSTEM_PATH)
+    found = [c for c in json.loads(answer.stdout)["checks"] if c["name"] == "model"]
+    assert [c["finding"].split()[0] for c in found] == ["smollm2-135m-instruct", "x"], found
+    listed.write_text('[[models]]\nmodel = "a"\npinnned = true\n')
+    answer = doctor("--json", "--models-file", str(listed), path=SYSTEM_PATH)
+    found = [c for c in json.loads(answer.stdout)["checks"] if c["name"] == "model"]
+    assert found[0]["status"] == "error" and "unknown key(s) pinnned" in found[0]["finding"]

@@ -333,3 +333,39 @@ def test_a_hugging_face_repo_with_its_quantization_serves_beside_a_local_model(
             for model in ("alpha", name):
                 reply = _chat(c, model, [{"role": "user", "content": "hi"}])
                 assert reply.model == model and reply.choices[0].message.content
+
+
+def test_an_image_model_serves_beside_several_text_models(
+    cluster: Cluster, tmp_path: Path, model_path: Path, tiny_sd_pipeline: Path
+) -> None:
+    """One worker: two text models in one model's budget, and the tiny image model. Each
+    answers; a text model's eviction leaves the image model be."""
+    router = cluster.router()
+    cluster.worker(
+        router,
+        *("--llama-server-path", str(cluster.llama_server)),
+        *("--models-file", str(_copies_file(tmp_path, model_path, "alpha", "beta"))),
+        *("--memory-budget", ONE_MODEL_BUDGET_GIB),
+        *("--image-model", str(tiny_sd_pipeline), "--image-model-alias", "tiny-sd"),
+        model=False,
+    )
+    router.wait_workers(1, timeout=120)
+    wait_until(lambda: len(_models(router)) == 3, 60, "the worker's three models")
+    with openai.OpenAI(
+        base_url=router.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120
+    ) as client:
+        assert {m.id for m in client.models.list()} == {"alpha", "beta", "tiny-sd"}
+        for model in ("alpha", "beta"):  # beta evicts alpha
+            reply = _chat(client, model, [{"role": "user", "content": "hi"}])
+            assert reply.model == model and reply.choices[0].message.content
+        image = client.images.generate(
+            model="tiny-sd",
+            prompt="a red cat",
+            size="64x64",  # type: ignore[arg-type]  # any WxH is allowed here
+            response_format="b64_json",
+            extra_body={"steps": 2, "seed": 1},
+        )
+    assert image.data and image.data[0].b64_json
+    models = _models(router)
+    assert models["alpha"]["evictions"] == 1 and models["beta"]["state"] == "ready"
+    assert models["tiny-sd"]["state"] == "ready"

@@ -48,6 +48,7 @@ from shoal.models.resolve import FitContext, decide
 from shoal.protocol.messages import PROTOCOL_VERSION, RefusalCode
 from shoal.worker.hardware import HardwareError, selected
 from shoal.worker.settings import WorkerSettings
+from shoal.worker.text.residency.models_file import ModelsFileError, load_models_file
 from shoal.worker.tls import Refusal, client_tls_context
 
 ROUTER_TIMEOUT_S = 5.0
@@ -100,7 +101,7 @@ def run_checks(settings: WorkerSettings, path_env: str | None) -> list[Check]:
         return [*checks, Check("--gpu-devices", "error", str(exc), fix)]
     llama = _binary(settings, path_env, choice, used)
     checks.append(llama)
-    checks.append(_model(settings, profile, on_cpu_only=llama.status == "error"))
+    checks.extend(_models(settings, profile, on_cpu_only=llama.status == "error"))
     checks.append(_router(settings))
     return checks
 
@@ -133,15 +134,30 @@ def _binary(
     return binary_check(found, listed, profile.gpus, choice)
 
 
-def _model(settings: WorkerSettings, profile: MachineProfile, *, on_cpu_only: bool) -> Check:
+def _models(settings: WorkerSettings, profile: MachineProfile, *, on_cpu_only: bool) -> list[Check]:
+    """One check per text model: each ``--model`` (repeated or comma-separated), each entry
+    of ``--models-file``, else the default model."""
+    if settings.models_file is not None:
+        try:
+            named: list[str | None] = [s.model for s in load_models_file(settings.models_file)]
+        except ModelsFileError as exc:
+            return [Check("model", "error", str(exc), "fix the models file (--models-file)")]
+    else:
+        named = list(settings.models) or [None]
+    return [_model(settings, profile, m, on_cpu_only=on_cpu_only) for m in named]
+
+
+def _model(
+    settings: WorkerSettings, profile: MachineProfile, given: str | None, *, on_cpu_only: bool
+) -> Check:
     if settings.backend_url:
         return Check("model", "skip", f"served by {settings.backend_url}")
     if settings.model_path is not None:
         if settings.model_path.is_file():
             return Check("model", "ok", f"{settings.model_path} (its fit is not estimated here)")
         return Check("model", "error", f"{settings.model_path} is missing", "check --model-path")
-    model = settings.model or DEFAULT_MODEL.id
-    note = () if settings.model else (NO_MODEL,)
+    model = given or DEFAULT_MODEL.id
+    note = () if given else (NO_MODEL,)
     entry = load_catalog().get(model)
     if settings.model_store or entry is None:
         return model_check(model, None, on_cpu_only, note)

@@ -260,6 +260,9 @@ async def test_a_models_own_idle_unload_frees_it_and_its_next_job_loads_it(rig: 
         while a.state is not BackendState.UNLOADED:
             await a.server.changed.wait()
     assert not a.resident and a.evictions == 0  # it went by itself
+    keeper = rig.models.keeper
+    assert isinstance(keeper, Keeper)  # its slots were saved first, as for an eviction
+    assert ("before_unload", "a", BackendState.READY) in keeper.events
     assert rig.models.state is BackendState.UNLOADED  # the router still sends it jobs
     await _run(rig, 2, "a")
     assert (a.state, a.server.loads) == (BackendState.READY, 2)

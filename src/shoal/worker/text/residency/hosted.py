@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import aiohttp
 
@@ -43,7 +44,10 @@ class HostedModel:
         plan = planned.plan
         assert plan.llama is not None  # several models: each a llama-server of ours
         self.plan = plan
-        self.config: LlamaServerConfig = plan.llama
+        self.idle_unload_s = plan.llama.idle_unload_s
+        """Seconds without jobs before it unloads (0: never); ``TextModels`` does it, saving
+        its slots first, so its llama-server is told none."""
+        self.config: LlamaServerConfig = replace(plan.llama, idle_unload_s=0.0)
         self.name: ModelName = plan.model.name
         self.pinned = planned.pinned
         self.preload = planned.preload
@@ -86,6 +90,15 @@ class HostedModel:
     def resident(self) -> bool:
         """It holds memory now, or is about to (a load decided)."""
         return self.state in HOLDS or self.load is not None
+
+    def idle_until(self) -> float | None:
+        """When it unloads for want of jobs (monotonic), if it is loaded and unheld and has
+        an idle time; None otherwise."""
+        if not self.idle_unload_s or self.holders or self.load is not None:
+            return None
+        if self.state is not BackendState.READY:
+            return None
+        return self.last_used + self.idle_unload_s
 
     def as_resident(self) -> Resident:
         busy = self.holders > 0 or self.load is not None or self.state is not BackendState.READY

@@ -15,8 +15,9 @@ goes through ``hold(M)``, which:
 
 Decisions and evictions are taken under one lock, so two loads never count on the same free
 bytes. Pinned models are never evicted; preloaded ones load at start, in the given order (one
-that does not fit is logged, not fatal). A model's own idle unload (``idle_unload``) still
-applies. The worker's state is ``worker_state`` of its models'.
+that does not fit is logged, not fatal). A model's own idle time (``idle_unload``) unloads it
+here, its slots saved first as for an eviction (``_unload_idle``). The worker's state is
+``worker_state`` of its models'.
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ class TextModels:
         """Held while deciding and evicting, so two loads never count the same free bytes."""
         self._freed = asyncio.Event()
         """Set (and replaced) when a job lets go of a model or a model unloads."""
+        self._changed = asyncio.Event()
+        """Set (and replaced) when a job lets go of a model or a model moves (idle times)."""
         self._state = self.state
         self._tg: asyncio.TaskGroup | None = None
         """Where loads and the router's load and unload orders run (``run``'s)."""
@@ -143,6 +146,7 @@ class TextModels:
             for host in self.hosts.values():
                 tg.create_task(host.server.run())
                 tg.create_task(host.pinning.run_measure())
+            tg.create_task(self._unload_idle())
             for host in self.hosts.values():
                 if host.preload:
                     try:
@@ -251,15 +255,44 @@ class TextModels:
         return [h.as_resident() for h in self.hosts.values() if h is not host and h.resident]
 
     async def _evict(self, host: HostedModel, why: str) -> None:
-        log.info("model %s: %s (held %s)", host.name, why, host.footprint.describe())
+        host.evictions += 1
+        await self._unload(host, why)
+
+    async def _unload_idle(self) -> None:
+        """Unload each model that has had no job for its ``idle_unload`` seconds, its slots
+        saved first (the ``CacheKeeper``); sleeps until the next one is due, or a model
+        moves or is let go."""
+        while True:
+            now = time.monotonic()
+            due = {h.name: h.idle_until() for h in self.hosts.values()}
+            for name, at in due.items():
+                if at is not None and at <= now:
+                    host = self.hosts[name]
+                    async with self._lock:
+                        until = host.idle_until()  # a job may have come meanwhile
+                        if until is not None and until <= time.monotonic():
+                            await self._unload(host, f"no jobs for {host.idle_unload_s:g} s")
+            pending = [at for at in due.values() if at is not None and at > now]
+            changed = self._changed
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(pending) - now if pending else None):
+                    await changed.wait()
+
+    async def _unload(self, host: HostedModel, why: str) -> None:
+        """Unload ``host`` (evicted, idle, or as the router asked), its slots saved first."""
+        log.info("model %s: %s; unloading (held %s)", host.name, why, host.footprint.describe())
         if self.keeper is not None:
             await self.keeper.before_unload(host)
-        host.evictions += 1
         await host.server.unload(why)
 
     def _free(self) -> None:
         self._freed.set()
         self._freed = asyncio.Event()
+        self._change()
+
+    def _change(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def _moved(self, host: HostedModel, state: BackendState, detail: str) -> None:
         """A model's llama-server moved: its slots, its footprint, the worker's state."""
@@ -269,6 +302,8 @@ class TextModels:
             host.loaded()
         if state is BackendState.UNLOADED:
             self._free()
+        else:
+            self._change()
         overall = self.state
         if overall is not self._state:
             self._state = overall

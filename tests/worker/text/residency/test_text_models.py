@@ -266,3 +266,38 @@ async def test_a_models_own_idle_unload_frees_it_and_its_next_job_loads_it(rig: 
     assert rig.models.state is BackendState.UNLOADED  # the router still sends it jobs
     await _run(rig, 2, "a")
     assert (a.state, a.server.loads) == (BackendState.READY, 2)
+
+
+class SlowKeeper(Keeper):
+    """Holds an unload in its slots' save until ``release`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.saving = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def before_unload(self, host: HostedModel) -> None:
+        await super().before_unload(host)
+        self.saving.set()
+        await self.release.wait()
+
+
+async def test_a_job_that_comes_while_its_model_unloads_waits_and_loads_it_again(rig: Rig) -> None:
+    """The unload had begun (its slots saving, the model still READY): the job is not let
+    through to a llama-server about to stop; it waits, is told it loads, and runs on the
+    model loaded again."""
+    a = rig.host("a")
+    await _run(rig, 1, "a")
+    keeper = rig.models.keeper = SlowKeeper()
+    assert rig.models.control("a", "unload")
+    async with asyncio.timeout(LOAD_S):
+        await keeper.saving.wait()
+    assert a.state is BackendState.READY and a.unloading
+    job = asyncio.create_task(_run(rig, 2, "a"))
+    await asyncio.sleep(0.2)
+    assert not job.done() and a.server.loads == 1  # it waits; nothing was sent to a
+    keeper.release.set()
+    second = await job
+    assert [type(o) for o in second.outcomes] == [JobResult]
+    assert (a.state, a.server.loads, a.evictions) == (BackendState.READY, 2, 1)
+    assert [m.job_id for m in rig.loading][-1] == "j2"  # it was told it waits for a load

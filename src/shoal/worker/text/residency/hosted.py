@@ -69,6 +69,8 @@ class HostedModel:
         """Jobs holding this model or waiting for it."""
         self.last_used = time.monotonic()
         self.evictions = 0
+        self.unloading = False
+        """Being unloaded now (its slots saving, its process stopping): jobs wait it out."""
         self.load: asyncio.Future[None] | None = None
         """The load in progress (jobs for this model share it), None when none is."""
 

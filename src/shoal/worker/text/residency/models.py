@@ -177,7 +177,7 @@ class TextModels:
         host = self.hosts[model]
         host.holders += 1
         try:
-            if host.state is not BackendState.READY and job_id is not None:
+            if (host.state is not BackendState.READY or host.unloading) and job_id is not None:
                 log.info("job %s: waits while model %s loads", job_id, model)
                 if self._loading is not None:
                     self._loading(JobLoading(job_id=job_id, model=ModelName(model)))
@@ -192,8 +192,13 @@ class TextModels:
                 self._free()
 
     async def _ensure(self, host: HostedModel) -> None:
-        """Until ``host`` is READY: join its load, or start one (single flight)."""
-        while host.state is not BackendState.READY:
+        """Until ``host`` is READY: join its load, or start one (single flight). A model
+        being unloaded (its slots saving, its process stopping) is let go first, then loaded
+        again: no job is let through to a llama-server about to stop."""
+        while host.state is not BackendState.READY or host.unloading:
+            if host.unloading:
+                await self._changed.wait()
+                continue
             if host.state is BackendState.FAILED:
                 raise NotServing(host.server.detail)
             if host.state is not BackendState.UNLOADED:  # loading or restarting on its own
@@ -281,9 +286,14 @@ class TextModels:
     async def _unload(self, host: HostedModel, why: str) -> None:
         """Unload ``host`` (evicted, idle, or as the router asked), its slots saved first."""
         log.info("model %s: %s; unloading (held %s)", host.name, why, host.footprint.describe())
-        if self.keeper is not None:
-            await self.keeper.before_unload(host)
-        await host.server.unload(why)
+        host.unloading = True
+        try:
+            if self.keeper is not None:
+                await self.keeper.before_unload(host)
+            await host.server.unload(why)
+        finally:
+            host.unloading = False
+            self._change()
 
     def _free(self) -> None:
         self._freed.set()

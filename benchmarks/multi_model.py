@@ -53,6 +53,7 @@ from typing import Any
 import httpx
 
 from common import free_port, median, pct, print_table, processes, wait_http, write_json
+from prefix_routing import WORDS
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "src"))
 from shoal.llama_cpp.locate import resolve  # noqa: E402
@@ -63,38 +64,6 @@ from shoal.settings import CommonSettings  # noqa: E402
 MODES = ("saves", "cold")
 CLASSES = ("new", "resident", "restored", "loading")
 MIB = 1024 * 1024
-WORDS = [
-    "account",
-    "billing",
-    "contract",
-    "delivery",
-    "invoice",
-    "order",
-    "payment",
-    "refund",
-    "schedule",
-    "shipment",
-    "support",
-    "ticket",
-    "warranty",
-    "customer",
-    "product",
-    "service",
-    "region",
-    "policy",
-    "request",
-    "answer",
-    "careful",
-    "polite",
-    "concise",
-    "formal",
-    "friendly",
-    "detailed",
-    "summary",
-    "escalate",
-    "verify",
-    "confirm",
-]
 
 
 def system_prompt(conversation: int, words: int) -> str:

@@ -66,6 +66,25 @@ def _models(router: Router) -> dict[str, dict[str, Any]]:
     return {m["name"]: m for m in worker["models"]}
 
 
+def _stream_evicted_smol_b(router: Router) -> dict[str, dict[str, Any]]:
+    """Stream an answer of smol-b, which is not loaded: the client sees ``: loading
+    model=smol-b`` and then content; smol-a is evicted for it. The models after."""
+    body = {"model": "smol-b", "messages": HELLO, "max_tokens": 4, "stream": True}
+    with httpx.stream(
+        "POST", router.url + "/v1/chat/completions", json=body, headers=router.headers, timeout=60
+    ) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert response.status_code == 200
+    assert ": loading model=smol-b" in lines, lines[:3]
+    assert any(line.startswith("data: ") and '"content"' in line for line in lines)
+    models: dict[str, dict[str, Any]] = wait_until(
+        lambda: (m := _models(router))["smol-a"]["state"] == "unloaded" and m,
+        10,
+        "smol-a evicted",
+    )
+    return models
+
+
 def test_both_models_answer_and_each_evicts_the_other(cluster: Cluster, tmp_path: Path) -> None:
     router = cluster.router()
     _worker(cluster, router, tmp_path, pinned=False)
@@ -80,19 +99,7 @@ def test_both_models_answer_and_each_evicts_the_other(cluster: Cluster, tmp_path
         assert r.model == model and r.choices[0].message.content, n
     # Streamed, for the model just evicted: it waits while smol-b loads (the worker tells the
     # router, which shows the client an SSE comment), then streams.
-    body = {"model": "smol-b", "messages": HELLO, "max_tokens": 4, "stream": True}
-    with httpx.stream(
-        "POST", router.url + "/v1/chat/completions", json=body, headers=router.headers, timeout=60
-    ) as response:
-        lines = [line for line in response.iter_lines() if line]
-    assert response.status_code == 200
-    assert ": loading model=smol-b" in lines, lines[:3]
-    assert any(line.startswith("data: ") and '"content"' in line for line in lines)
-    models = wait_until(
-        lambda: (m := _models(router))["smol-a"]["state"] == "unloaded" and m,
-        10,
-        "smol-a evicted",
-    )
+    models = _stream_evicted_smol_b(router)
     assert models["smol-b"]["state"] == "ready"
     assert models["smol-a"]["loads"] == 2 and models["smol-a"]["evictions"] == 2
     assert models["smol-b"]["loads"] == 2 and models["smol-b"]["evictions"] == 1
@@ -139,19 +146,7 @@ def test_a_pull_worker_serves_several_models_too(
     client = openai.OpenAI(base_url=router.url + "/v1", api_key=API_KEY, max_retries=0)
     r = client.chat.completions.create(model="smol-a", messages=HELLO, max_tokens=4)
     assert r.model == "smol-a" and r.choices[0].message.content
-    body = {"model": "smol-b", "messages": HELLO, "max_tokens": 4, "stream": True}
-    with httpx.stream(
-        "POST", router.url + "/v1/chat/completions", json=body, headers=router.headers, timeout=60
-    ) as response:
-        lines = [line for line in response.iter_lines() if line]
-    assert response.status_code == 200
-    assert ": loading model=smol-b" in lines, lines[:3]
-    assert any(line.startswith("data: ") and '"content"' in line for line in lines)
-    models = wait_until(
-        lambda: (m := _models(router))["smol-a"]["state"] == "unloaded" and m,
-        10,
-        "smol-a evicted",
-    )
+    models = _stream_evicted_smol_b(router)
     assert models["smol-b"]["state"] == "ready" and models["smol-a"]["evictions"] == 1
     client.close()
 
